@@ -1,0 +1,355 @@
+"""cuDNN FP8 SDPA (``nvidia-cudnn-frontend``, module ``cudnn``), batched, equal docs.
+
+Per-tensor power-of-two scales, computed per call from the data (DESIGN §6:
+the leaky per-tensor baseline). Scale of x = largest 2^k with amax(x)·2^k <= 448
+(E4M3 max), so quantizing never saturates. Scales of what the kernel produces:
+  P (softmax probs)  amax 1, so 256
+  O                  the scale of V: O rows are convex combinations of V rows,
+                     so amax(O) <= amax(V) and the bound holds per call
+  dP, dQ, dK, dV     delayed, from the amaxes the previous call returned (what
+                     Transformer Engine does); the first call calibrates them
+
+Three flavours, because on Hopper every output is FP8:
+  cudnn_fp8_kernel  the kernels alone: inputs quantized once, outside the timer
+  cudnn_fp8_quant   + in-call quantization of q, k, v (and dO); outputs stay FP8
+  cudnn_fp8_e2e     + the FP8 -> BF16 conversion of O (and dQ, dK, dV): a drop-in
+                    for BF16 attention, the fair comparison for our routes
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from .adapter import (EQUAL_DOCS_REASON, NO_CUDA, Adapter, PeerSkip, dist_version,
+                      fixed_grad_output, no_cuda_reason, try_import)
+
+E4M3_MAX = 448.0
+FLAVOURS = ("kernel", "quant", "e2e")
+_TINY = 2.0**-60  # amax floor: an all-zero tensor gets a finite scale
+
+
+def pow2_scale(amax):
+    """Largest power of two s with amax·s <= 448, elementwise on a float32 tensor."""
+    import torch
+
+    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp_min(_TINY))))
+
+
+def amax_of(x):
+    """max |x| as a float32 0-dim tensor, one reduction, no |x| temporary."""
+    import torch
+
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+
+
+_QUANT_FNS: dict[str, Any] = {}
+
+
+def _scale_cast_eager(x, scale):
+    import torch
+
+    # bf16 times a power of two is exact, so scaling in bf16 loses nothing.
+    return (x * scale.to(x.dtype)).to(torch.float8_e4m3fn)
+
+
+def _dequant_eager(x8, descale, dtype):
+    return (x8.to(dtype) * descale.to(dtype))
+
+
+def _quant_fns():
+    """(scale_cast, dequant): torch.compile-fused when possible, else eager.
+
+    In-call quantization is part of what the e2e flavour costs; fusing the
+    scale and the cast (as Transformer Engine's cast kernels do) keeps that
+    cost honest rather than inflated by extra passes."""
+    if not _QUANT_FNS:
+        try:
+            import torch
+
+            _QUANT_FNS["scale_cast"] = torch.compile(_scale_cast_eager, dynamic=False)
+            _QUANT_FNS["dequant"] = torch.compile(_dequant_eager, dynamic=False)
+            _QUANT_FNS["how"] = "torch.compile"
+        except Exception:  # pragma: no cover - no inductor
+            _QUANT_FNS.update(scale_cast=_scale_cast_eager, dequant=_dequant_eager, how="eager")
+    return _QUANT_FNS
+
+
+def _fallback_to_eager():
+    _QUANT_FNS.update(scale_cast=_scale_cast_eager, dequant=_dequant_eager, how="eager")
+
+
+class _Runner:
+    """Buffers, graphs and per-call steps for one workload and mode."""
+
+    def __init__(self, cudnn, workload, train: bool, device):
+        import torch
+
+        self.cudnn, self.torch, self.train = cudnn, torch, train
+        self.b, self.length = workload.num_docs, workload.doc_lens[0]
+        self.h, self.d = workload.heads, workload.head_dim
+        self.causal = workload.causal
+        self.device = device
+        self.handle = cudnn.create_handle()
+        cudnn.set_stream(self.handle, torch.cuda.current_stream(device).cuda_stream)
+        from . import cudnn_fp8_graph as cg
+
+        args = (cudnn, self.handle, self.b, self.h, self.length, self.d, self.causal)
+        self.fwd = cg.build_fwd_any(*args, train=train)
+        self.bwd = cg.build_bwd(*args) if train else None
+        ws = max(self.fwd.workspace_size, self.bwd.workspace_size if self.bwd else 0)
+        self.workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=device)
+        shape = (self.b * self.length, self.h, self.d)  # packed == (B, L, H, D)
+        f8 = torch.float8_e4m3fn
+        self.o8 = torch.empty(shape, dtype=f8, device=device)
+        self.stats = torch.empty((self.b, self.h, self.length, 1), dtype=torch.float32,
+                                 device=device)
+        # Scalars live in a few small buffers so updating all scales is a handful
+        # of tiny kernels rather than one chain per scalar.
+        self.amax_fwd = torch.zeros(2, dtype=torch.float32, device=device)  # amax_o, amax_s
+        self.s_scale = torch.full((1, 1, 1, 1), 256.0, device=device)  # P in [0, 1]
+        self.s_descale = 1.0 / self.s_scale
+        if train:
+            self.dq8, self.dk8, self.dv8 = (torch.empty(shape, dtype=f8, device=device)
+                                           for _ in range(3))
+            self.bwd_amax = torch.ones(4, dtype=torch.float32, device=device)  # dQ dK dV dP
+            self.bwd_scale = torch.ones(4, dtype=torch.float32, device=device)
+            self.bwd_descale = torch.ones(4, dtype=torch.float32, device=device)
+
+    # -- scales ---------------------------------------------------------------
+    def quantize(self, xs):
+        """[(x8, scale(1,1,1,1), descale(1,1,1,1))] with scales from each x's amax."""
+        torch = self.torch
+        amax = torch.stack([amax_of(x) for x in xs])
+        scale = pow2_scale(amax)
+        descale = 1.0 / scale
+        fns = _quant_fns()
+        out = []
+        for i, x in enumerate(xs):
+            try:
+                x8 = fns["scale_cast"](x, scale[i])
+            except Exception:  # inductor could not fuse it: use eager for good
+                _fallback_to_eager()
+                x8 = _scale_cast_eager(x, scale[i])
+            out.append((x8, scale[i].view(1, 1, 1, 1), descale[i].view(1, 1, 1, 1)))
+        return out
+
+    def update_bwd_scales(self):
+        """Delayed scaling: this call's dQ/dK/dV/dP amaxes set the next call's scales."""
+        torch = self.torch
+        torch.exp2(torch.floor(torch.log2(E4M3_MAX / self.bwd_amax.clamp_min(_TINY))),
+                   out=self.bwd_scale)
+        torch.reciprocal(self.bwd_scale, out=self.bwd_descale)
+
+    # -- graph calls ----------------------------------------------------------
+    def forward(self, qs, ks, vs):
+        """qs = (q8, scale, descale) etc.; returns descale_o (O's scale is V's)."""
+        buf = {
+            "q": qs[0], "k": ks[0], "v": vs[0],
+            "descale_q": qs[2], "descale_k": ks[2], "descale_v": vs[2],
+            "descale_s": self.s_descale, "scale_s": self.s_scale, "scale_o": vs[1],
+            "o": self.o8, "stats": self.stats,
+            "amax_o": self.amax_fwd[0:1].view(1, 1, 1, 1),
+            "amax_s": self.amax_fwd[1:2].view(1, 1, 1, 1),
+        }
+        self.fwd.graph.execute(self.fwd.pack(buf), self.workspace, handle=self.handle)
+        return vs[2]
+
+    def backward(self, qs, ks, vs, descale_o, dos):
+        sc, de, am = self.bwd_scale, self.bwd_descale, self.bwd_amax
+
+        def s(t, i):
+            return t[i:i + 1].view(1, 1, 1, 1)
+
+        buf = {
+            "q": qs[0], "k": ks[0], "v": vs[0], "o": self.o8, "dO": dos[0],
+            "stats": self.stats,
+            "descale_q": qs[2], "descale_k": ks[2], "descale_v": vs[2],
+            "descale_o": descale_o, "descale_dO": dos[2],
+            "descale_s": self.s_descale, "scale_s": self.s_scale,
+            "descale_dP": s(de, 3), "scale_dP": s(sc, 3),
+            "scale_dQ": s(sc, 0), "scale_dK": s(sc, 1), "scale_dV": s(sc, 2),
+            "dQ": self.dq8, "dK": self.dk8, "dV": self.dv8,
+            "amax_dQ": s(am, 0), "amax_dK": s(am, 1), "amax_dV": s(am, 2), "amax_dP": s(am, 3),
+        }
+        self.bwd.graph.execute(self.bwd.pack(buf), self.workspace, handle=self.handle)
+
+    def calibrate(self, qs, ks, vs, dos):
+        """One backward with unit scales to learn the dP/dQ/dK/dV amaxes (the
+        amax outputs are taken before the output scale is applied)."""
+        self.bwd_scale.fill_(1.0)
+        self.bwd_descale.fill_(1.0)
+        descale_o = self.forward(qs, ks, vs)
+        self.backward(qs, ks, vs, descale_o, dos)
+        self.update_bwd_scales()
+
+    def dequant(self, x8, descale, dtype):
+        descale = descale.reshape(())  # a (1,1,1,1) scalar would broadcast x8 to 4-D
+        fns = _quant_fns()
+        try:
+            return fns["dequant"](x8, descale, dtype)
+        except Exception:
+            _fallback_to_eager()
+            return _dequant_eager(x8, descale, dtype)
+
+    def close(self):
+        try:
+            self.cudnn.destroy_handle(self.handle)
+        except Exception:
+            pass
+
+
+def _skip_from(exc: BaseException, what: str) -> PeerSkip:
+    text = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return PeerSkip(f"cuDNN FP8 {what} failed: {type(exc).__name__}: {text}")
+
+
+class CudnnFp8Adapter(Adapter):
+    precision = "fp8"
+
+    def __init__(self, flavour: str):
+        if flavour not in FLAVOURS:
+            raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+        self.flavour = flavour
+        self.name = f"cudnn_fp8_{flavour}"
+        self._runner: _Runner | None = None
+
+    @property
+    def memory_note(self) -> str:  # type: ignore[override]
+        base = "batched (B,H,L,D) view, FP8 copies of q,k,v(,dO) and FP8 outputs counted"
+        return base + ("; + BF16 outputs" if self.flavour == "e2e" else "")
+
+    def available(self) -> tuple[bool, str]:
+        cudnn, reason = try_import("cudnn")
+        if cudnn is None:
+            return False, reason
+        reason = no_cuda_reason()
+        if reason:
+            return False, reason
+        try:
+            cudnn.backend_version()
+        except Exception as exc:
+            return False, f"not installed: cuDNN library not loadable ({str(exc)[:120]})"
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            return False, f"FP8 SDPA needs sm90 or newer, this GPU is sm{major}{minor}"
+        return True, ""
+
+    def supports(self, workload) -> tuple[bool, str]:
+        if not workload.equal_docs:
+            return False, EQUAL_DOCS_REASON
+        if workload.head_dim % 16 or workload.head_dim > 256:
+            return False, f"head_dim {workload.head_dim} not supported by FP8 SDPA"
+        return True, ""
+
+    def versions(self) -> dict[str, str]:
+        out = {}
+        v = dist_version("nvidia-cudnn-frontend")
+        if v:
+            out["nvidia-cudnn-frontend"] = v
+        cudnn, _ = try_import("cudnn")
+        if cudnn is not None:
+            try:
+                out["cudnn"] = str(cudnn.backend_version_string())
+            except Exception:
+                pass
+        return out
+
+    def _make_runner(self, workload, train: bool, device) -> _Runner:
+        if no_cuda_reason():
+            raise RuntimeError(NO_CUDA)
+        cudnn, reason = try_import("cudnn")
+        if cudnn is None:
+            raise PeerSkip(reason)
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        try:
+            self._runner = _Runner(cudnn, workload, train, device)
+        except PeerSkip:
+            raise
+        except Exception as exc:
+            raise _skip_from(exc, "graph build") from exc
+        return self._runner
+
+    def prepare(self, workload, inputs, mode):
+        import torch
+
+        if mode not in ("fwd", "train"):
+            raise ValueError(f"mode must be 'fwd' or 'train', got {mode!r}")
+        train = mode == "train"
+        device = inputs[0][0].device
+        r = self._make_runner(workload, train, device)
+        d_out = fixed_grad_output(inputs[0][0]) if train else None
+        out_dtype = inputs[0][0].dtype
+        try:
+            if self.flavour == "kernel":
+                # Quantized once, outside the timed region.
+                sets = [tuple(r.quantize(list(s))) for s in inputs]
+                dos = r.quantize([d_out])[0] if train else None
+                if train:
+                    r.calibrate(*sets[0], dos)
+                cyc = itertools.cycle(sets)
+
+                def call():
+                    qs, ks, vs = next(cyc)
+                    descale_o = r.forward(qs, ks, vs)
+                    if train:
+                        r.backward(qs, ks, vs, descale_o, dos)
+                    return r.o8
+            else:
+                raw = [tuple(s) for s in inputs]
+                if train:
+                    qs, ks, vs, dos = r.quantize([*raw[0], d_out])
+                    r.calibrate(qs, ks, vs, dos)
+                cyc = itertools.cycle(raw)
+                e2e = self.flavour == "e2e"
+
+                def call():
+                    q, k, v = next(cyc)
+                    if train:
+                        qs, ks, vs, dos = r.quantize([q, k, v, d_out])
+                    else:
+                        qs, ks, vs = r.quantize([q, k, v])
+                    descale_o = r.forward(qs, ks, vs)
+                    o = r.dequant(r.o8, descale_o, out_dtype) if e2e else r.o8
+                    if not train:
+                        return o
+                    r.backward(qs, ks, vs, descale_o, dos)
+                    grads = (r.dq8, r.dk8, r.dv8)
+                    if e2e:
+                        grads = tuple(r.dequant(g, r.bwd_descale[i], out_dtype)
+                                      for i, g in enumerate(grads))
+                    r.update_bwd_scales()  # delayed scaling for the next call
+                    return o, grads
+            call()  # first execution inside the guard: an engine failure is a skip
+            torch.cuda.synchronize()
+        except PeerSkip:
+            raise
+        except Exception as exc:
+            raise _skip_from(exc, "execution") from exc
+        return call
+
+    def compute(self, workload, q, k, v, d_out, need_grad: bool = True):
+        """e2e numerics: (o, dq) in float32, dequantized from the FP8 outputs."""
+        import torch
+
+        r = self._make_runner(workload, need_grad, q.device)
+        try:
+            if need_grad:
+                qs, ks, vs, dos = r.quantize([q, k, v, d_out])
+                r.calibrate(qs, ks, vs, dos)  # sets dQ's scale from this data
+                descale_o = r.forward(qs, ks, vs)
+                r.backward(qs, ks, vs, descale_o, dos)
+                dq = r.dq8.float() * r.bwd_descale[0]
+            else:
+                qs, ks, vs = r.quantize([q, k, v])
+                descale_o = r.forward(qs, ks, vs)
+                dq = None
+            o = r.o8.float() * descale_o.view(())
+            torch.cuda.synchronize()
+        except Exception as exc:
+            raise _skip_from(exc, "execution") from exc
+        return o, dq

@@ -1,0 +1,274 @@
+"""`flamia-gen`: the click front end. Bad input exits 2 with one clear line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .spec import Arch, SpecError, load_specs
+
+console = Console()
+ARCHS = [a.value for a in Arch]
+
+
+class Fail(click.ClickException):
+    """One line on stderr, exit 2 (bad input), like click's usage errors."""
+
+    exit_code = 2
+
+
+def _specs(path: str | None):
+    try:
+        return load_specs(path)
+    except SpecError as e:
+        raise Fail(str(e)) from None
+
+
+def _plan(specs, arch=None, routes=None):
+    from .plan import make_plan
+
+    try:
+        return make_plan(specs, arch=arch, routes=list(routes) if routes else None)
+    except SpecError as e:
+        raise Fail(str(e)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="flamia-gen")
+def main():
+    """flamia-gen: low-precision attention kernels generated from specs, verified,
+    autotuned per GPU and frozen into dispatch tables."""
+
+
+# ---------------------------------------------------------------- specs
+@main.group()
+def specs():
+    """List, validate and show route and kernel-family specs."""
+
+
+_specs_opt = click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
+                          help="specs folder (default: the repository's specs/, or $FLAMIA_GEN_SPECS)")
+
+
+@specs.command("list")
+@_specs_opt
+def specs_list(specs_dir):
+    """Routes and kernel families, one line each."""
+    s = _specs(specs_dir)
+    t = Table(title="routes")
+    for c in ("route", "q", "k", "v", "dO", "P", "dS", "safeguards", "exact"):
+        t.add_column(c)
+    for r in s.routes.values():
+        ops = dict((o.value, oq.short_str()) for o, oq in r.operands.items())
+        guards = ",".join(g for g, on in (("diag:" + r.diagonal.value, r.diagonal.value != "none"),
+                                          ("k_fold", r.k_fold), ("causal_dq", r.causal_dq_scale)) if on) or "-"
+        t.add_row(r.name, ops["q"], ops["k"], ops["v"], ops["do"], ops["p"], ops["ds"], guards,
+                  "yes" if r.exact else "no")
+    console.print(t)
+    t = Table(title="kernel families")
+    for c in ("family", "arch", "kind", "template", "routes", "status"):
+        t.add_column(c)
+    for f in s.families.values():
+        t.add_row(f.name, f.arch.value, f.kind.value, f.template, str(len(f.routes)),
+                  "runs on H200" if f.arch.executable_here else "compiled, not executed")
+    console.print(t)
+
+
+@specs.command("validate")
+@_specs_opt
+@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+def specs_validate(specs_dir, files):
+    """Validate every spec (or the FILES given). Exit 2 naming file, field and value."""
+    from .spec.loader import load_family, load_route
+
+    s = _specs(specs_dir)
+    for f in files:
+        p = Path(f)
+        try:
+            if p.parent.name == "kernels":
+                load_family(p, s.routes)
+            else:
+                load_route(p)
+        except SpecError as e:
+            raise Fail(str(e)) from None
+    n = len(files) if files else len(s.routes) + len(s.families)
+    console.print(f"[green]ok[/green]: {n} spec(s) valid")
+
+
+@specs.command("show")
+@_specs_opt
+@click.argument("name")
+def specs_show(specs_dir, name):
+    """Print one route or family, as parsed (defaults filled in), in JSON."""
+    s = _specs(specs_dir)
+    obj = s.routes.get(name) or s.families.get(name)
+    if obj is None:
+        raise Fail(f"no route or family named {name!r}; known: {sorted(s.routes) + sorted(s.families)}")
+    d = obj.model_dump(mode="json")
+    if name in s.routes:
+        d["spec_hash"] = obj.spec_hash()
+    click.echo(json.dumps(d, indent=2))
+
+
+# ---------------------------------------------------------------- plan / render
+@main.command()
+@_specs_opt
+@click.option("--arch", type=click.Choice(ARCHS), default=None)
+@click.option("--route", "routes", multiple=True, help="only variants used by this route (repeatable)")
+@click.option("--pruned/--no-pruned", default=False, help="also list pruned points with the reason")
+def plan(specs_dir, arch, routes, pruned):
+    """Expand the families into variants (analytic pruning, procedural names)."""
+    p = _plan(_specs(specs_dir), arch, routes)
+    t = Table(title=f"{len(p.variants)} variants, {len(p.pruned)} pruned")
+    for c in ("variant", "arch", "used by"):
+        t.add_column(c)
+    for v in p.variants:
+        t.add_row(v.name, v.arch.value, ", ".join(v.uses))
+    if pruned:
+        for x in p.pruned:
+            t.add_row(f"[dim]{x.name}[/dim]", "", f"[yellow]pruned:[/yellow] {x.reason}")
+    console.print(t)
+
+
+@main.command()
+@_specs_opt
+@click.option("--check", is_flag=True, help="only check that generated/ matches the templates (exit 1 if stale)")
+def render(specs_dir, check):
+    """Render every variant into generated/<arch>/<name>.py (reproducible bytes)."""
+    from .render import check_generated, render_all
+
+    p = _plan(_specs(specs_dir))
+    if check:
+        problems = check_generated(p.variants)
+        for pr in problems:
+            click.echo(pr, err=True)
+        if problems:
+            raise click.ClickException(f"generated/ is stale ({len(problems)} problem(s)); run `flamia-gen render`")
+        console.print(f"[green]ok[/green]: generated/ matches the templates ({len(p.variants)} files)")
+        return
+    res = render_all(p.variants, prune_stale=True)
+    console.print(f"rendered {len(p.variants)} variants: {len(res.written)} written, "
+                  f"{len(res.unchanged)} unchanged, {len(res.stale_removed)} stale removed")
+
+
+# ---------------------------------------------------------------- build / bundle
+def _status_table(results, title):
+    t = Table(title=title)
+    for c in ("variant", "arch", "status", "seconds", "message"):
+        t.add_column(c, overflow="fold")
+    style = {"built": "green", "cached": "cyan", "failed": "red"}
+    for r in results:
+        note = r.message or ("compiled, not executed" if r.arch == "sm100" else "")
+        t.add_row(r.name, r.arch, f"[{style[r.status]}]{r.status}[/]", f"{r.seconds:.1f}", note)
+    return t
+
+
+def _build(specs_dir, arch, routes, jobs, force, names=None):
+    from .build.builder import build_all
+
+    p = _plan(_specs(specs_dir), arch, routes)
+    variants = [v for v in p.variants if not names or v.name in names]
+    if not variants:
+        raise Fail(f"no variant to build for arch={arch} routes={list(routes) or 'all'}")
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task(f"building {len(variants)} variants for {arch}", total=len(variants))
+        results = build_all(variants, jobs=jobs, force=force, progress=lambda r: prog.advance(task))
+    return variants, results
+
+
+@main.command()
+@_specs_opt
+@click.option("--arch", type=click.Choice(ARCHS), required=True, help="target: sm90 (Hopper) or sm100 (Blackwell)")
+@click.option("--route", "routes", multiple=True, help="only variants used by this route (repeatable)")
+@click.option("--variant", "names", multiple=True, help="only this variant (repeatable)")
+@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--force", is_flag=True, help="ignore the cache")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def build(specs_dir, arch, routes, names, jobs, force, json_out):
+    """Cross-compile variants ahead of time (CUTE_DSL_ARCH, fake tensors) into cached .so files."""
+    _, results = _build(specs_dir, arch, routes, jobs, force, names)
+    console.print(_status_table(results, f"build --arch {arch}"))
+    failed = [r for r in results if r.status == "failed"]
+    if arch == "sm100":
+        console.print("[yellow]sm100: compiled, not executed (no Blackwell GPU here)[/yellow]")
+    if json_out:
+        Path(json_out).write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v
+                                               for k, v in r.__dict__.items()} for r in results], indent=1))
+    if failed:
+        raise click.ClickException(f"{len(failed)} of {len(results)} variants failed to compile")
+
+
+@main.command()
+@_specs_opt
+@click.option("--arch", type=click.Choice(ARCHS), required=True)
+@click.option("--route", "routes", multiple=True)
+@click.option("--variant", "names", multiple=True)
+@click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), required=True)
+def bundle(specs_dir, arch, routes, names, jobs, out_dir):
+    """Build and pack kernels + DSL runtime + manifest for a host without the DSL compiler."""
+    from .build.bundle import write_bundle
+    from .build.cache import BuildCache
+
+    variants, results = _build(specs_dir, arch, routes, jobs, False, names)
+    console.print(_status_table(results, f"bundle --arch {arch}"))
+    m = write_bundle(Path(out_dir), arch, variants, results, BuildCache())
+    console.print(f"bundle {out_dir}: {len(m['variants'])} variants, arch {arch}, DSL {m['dsl_version']}"
+                  + ("" if arch == "sm90" else " (compiled, not executed)"))
+    if any(r.status == "failed" for r in results):
+        raise click.ClickException("some variants failed to compile and are not in the bundle")
+
+
+# ---------------------------------------------------------------- verify
+@main.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--route", "routes", multiple=True, help="route(s) to verify (default: all)")
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), default=None,
+              help="cuda: kernels from this bundle (else $FLAMIA_GEN_BUNDLE)")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--docs", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--doc-len", type=click.IntRange(1, 65536), default=512, show_default=True)
+@click.option("--heads", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--outliers", is_flag=True, help="inputs with outlier tokens")
+def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers):
+    """cpu: emulated routes vs fp32 + leakage probe. cuda: kernels vs the emulator."""
+    specs_set = _specs(None)
+    for r in routes:
+        if r not in specs_set.routes:
+            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs_set.routes)}")
+    if device == "cpu":
+        from .verify.cpu import render_table, to_json, verify_cpu
+
+        rows = verify_cpu(list(routes) or None, docs=docs, doc_len=doc_len, heads=heads, outliers=outliers)
+        console.print(render_table(rows))
+        if json_out:
+            to_json(rows, json_out)
+        return
+    from .verify.gpu import verify_cuda
+
+    code = verify_cuda(list(routes) or None, bundle_dir=bundle_dir, json_out=json_out, console=console)
+    sys.exit(code)
+
+
+def _attach_optional():
+    # Commands that live with their stage; absent stages simply do not appear.
+    try:
+        from .bench.cli import bench_command
+
+        main.add_command(bench_command, "bench")
+    except ImportError:
+        pass
+
+
+_attach_optional()
+
+if __name__ == "__main__":
+    main()

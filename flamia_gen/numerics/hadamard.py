@@ -1,0 +1,69 @@
+"""Fast Walsh–Hadamard transform over the head dim, bit for bit as the quantizer contract's
+Step 1 (docs/quantizer-contract.md).
+
+``fwht(y)``: natural (Sylvester) order; stages ``h = 1, 2, 4, …, D/2``; in each stage every
+pair ``(i, i+h)`` with ``i & h == 0`` becomes ``(y[i] + y[i+h], y[i] − y[i+h])`` in fp32
+(IEEE RNE, one rounding per add); then one multiply of every element by
+``float32(1/sqrt(D))`` (``HADAMARD_SCALE[D]``: the double ``1/sqrt(D)`` rounded once to fp32;
+exactly 2^-3 for D=64, 0x3DB504F3 for D=128). No FMA contraction is possible (separate
+add/sub then multiply), so CPU and GPU agree bit for bit.
+
+The transform is orthonormal and symmetric (its own inverse up to rounding), so applying it
+to both q and k along D leaves q·kᵀ unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["fwht", "hadamard_matrix", "hadamard_scale"]
+
+
+def hadamard_scale(d: int) -> torch.Tensor:
+    """``float32(1/sqrt(d))`` as a 0-d fp32 tensor (CPU)."""
+    _check_pow2(d)
+    return torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
+
+
+def _check_pow2(d: int) -> None:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard dimension D must be a power of two, got D={d}")
+
+
+def fwht(y: torch.Tensor) -> torch.Tensor:
+    """Orthonormal FWHT along the last dim of an fp32 tensor ``(..., D)``; returns a new fp32
+    tensor (the input is not modified)."""
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.float32:
+        raise ValueError(f"y must be an fp32 torch.Tensor, got "
+                         f"{y.dtype if isinstance(y, torch.Tensor) else type(y).__name__}")
+    if y.dim() < 1:
+        raise ValueError("y must have at least one dimension (the head dim D)")
+    d = y.shape[-1]
+    _check_pow2(d)
+    lead = y.shape[:-1]
+    z = y.reshape(-1, d)
+    h = 1
+    while h < d:
+        v = z.view(-1, d // (2 * h), 2, h)
+        a, b = v[:, :, 0, :], v[:, :, 1, :]
+        z = torch.stack((a + b, a - b), dim=2).view(-1, d)
+        h *= 2
+    if d == 1:
+        z = z.clone()
+    z = z * hadamard_scale(d).to(z.device)
+    return z.reshape(*lead, d)
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix ``H`` (``H[i, j] = (-1)^popcount(i & j) / sqrt(d)``),
+    symmetric, such that ``fwht(y) ≈ y @ H`` (for tests and references)."""
+    _check_pow2(d)
+    i = torch.arange(d)
+    pc = torch.zeros(d, d, dtype=torch.int64)
+    x = i[:, None] & i[None, :]
+    while bool(x.any()):
+        pc += x & 1
+        x = x >> 1
+    return ((1 - 2 * (pc % 2)).to(torch.float64) / math.sqrt(d)).to(dtype)

@@ -1,0 +1,441 @@
+"""Emulated kernel numerics of a route, forward and backward (docs/numerics.md).
+
+The emulator is the source of truth the generated kernels are checked against (cosine ≥
+0.99999, DESIGN.md §1). It reproduces *what* a route rounds, with which scale and from which
+reference, tile by tile; not the kernel's fp32 summation order.
+
+Representations. Every input operand X is held as `Rep(value, codes, exp)` with
+`value = codes · 2**exp` exactly: `exp` is the per-token fold exponent (the token's own or its
+block's scale exponent, or the tensor's), `codes` the decoded format codes. Scales that cannot
+fold along tokens (block1d_32, nvfp4, bf16) have `exp = 0` and `codes = value`.
+
+Safeguards (what each removes is in docs/numerics.md):
+- `diagonal: per_key_v` → on diagonal tiles V is used per key (token granularity);
+- `k_fold` → on diagonal tiles K is used per key, in QKᵀ and in dS·K, its scale folded;
+- `causal_dq_scale` → dS for dQ is scaled per (query row, key tile) from visible keys;
+- `exact` with token_block Q/dO → Q and dO rows use per-token exponents in the products that
+  feed O_i and dQ_i (QKᵀ, dP = dO·Vᵀ, D = rowsum(dO∘O)); the token-block copies serve dK, dV.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
+from ..spec.route import OperandQuant, Route
+from . import formats
+from .reference_exact import check_inputs, doc_ranges, query_chunks, visible_mask
+
+__all__ = ["Rep", "Plan", "make_plan", "represent", "route_forward", "route_backward", "pow2_exponent",
+           "round_to_format"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_FOLDABLE = (Granularity.token, Granularity.token_block, Granularity.tensor)
+_E4M3_TB = OperandQuant(format=Format.e4m3, granularity=Granularity.token_block,
+                        exponent_rule=ExponentRule.ceil)
+
+
+# ---- element and scale arithmetic (docs/quantizer-contract.md, Steps 3-4)
+
+
+def pow2_exponent(amax: torch.Tensor, fmt: Format, rule: ExponentRule) -> torch.Tensor:
+    """Power-of-two scale exponent of a block with max magnitude `amax` (fp32 result, NaN when
+    amax is NaN/Inf; -127 when amax is 0), per the quantizer contract."""
+    fi = formats.format_info(fmt)
+    a = amax.to(torch.float32)
+    _, ex = torch.frexp(a)
+    e = (ex - 1 - fi.emax).to(torch.float64)
+    if ExponentRule(rule) is ExponentRule.ceil:
+        e = torch.where(a.double() > fi.max * torch.exp2(e), e + 1, e)
+    e = torch.where(a == 0, torch.full_like(e, -127.0), e).clamp(-127, 127)
+    e = torch.where(torch.isfinite(a), e, torch.full_like(e, float("nan")))
+    return e.to(torch.float32)
+
+
+def round_to_format(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """RNE with saturation into `fmt` (PTX cvt.rn.satfinite), as fp32 values."""
+    return formats.decode(formats.encode(y, fmt, saturate=True), fmt)
+
+
+def quant_with_exponent(y: torch.Tensor, e: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """ŷ = decode(encode(y · 2^-e)) · 2^e (one exact power-of-two multiply each way)."""
+    return round_to_format(y * torch.exp2(-e), fmt) * torch.exp2(e)
+
+
+def quant_p(p: torch.Tensor, spec: OperandQuant) -> torch.Tensor:
+    """P̂ for the PV and dV products: codes = fmt(P · 2^static_exponent) (the exponent is the
+    range multiplier: P ≤ 1 lands in [0, 2^8] for E4M3), returned in true units."""
+    if not spec.quantized:
+        return p
+    if spec.granularity is not Granularity.static:
+        raise ValueError(f"p.granularity={spec.granularity.value!r}: the emulator supports 'static' only")
+    e = torch.tensor(-float(spec.static_exponent))
+    return quant_with_exponent(p, e, spec.format)
+
+
+def group_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """|x| max over (rows × cols) groups of the last two dims, aligned at 0, expanded back."""
+    H, R, C = x.shape
+    pr, pc = (-R) % rows, (-C) % cols
+    a = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
+    a = a.view(H, (R + pr) // rows, rows, (C + pc) // cols, cols).amax(dim=(2, 4))
+    return a.repeat_interleave(rows, 1).repeat_interleave(cols, 2)[:, :R, :C]
+
+
+# ---- representations of the input operands
+
+
+@dataclass(frozen=True)
+class Rep:
+    """value = codes · 2**exp[..., None]; (T, H, D), (T, H, D), (T, H) fp32."""
+
+    value: torch.Tensor
+    codes: torch.Tensor
+    exp: torch.Tensor
+
+    def doc(self, s: int, e: int, heads: torch.Tensor) -> "Rep":
+        """Rows s:e, heads-first (H, L, ·), heads gathered by `heads` (GQA)."""
+        def cut(t):
+            return t[s:e].transpose(0, 1).index_select(0, heads)
+        return Rep(cut(self.value), cut(self.codes), cut(self.exp))
+
+
+def _scale_exponents(scales: torch.Tensor, T: int, H: int) -> torch.Tensor:
+    """UE8M0 scale codes (T, H) or (1,) → exponents (T, H) fp32 (0xFF → NaN)."""
+    e = scales.to(torch.int32).to(torch.float32) - 127.0
+    e = torch.where(scales == formats.UE8M0_NAN, torch.full_like(e, float("nan")), e)
+    return e.reshape(-1)[0].expand(T, H).clone() if e.numel() == 1 else e.reshape(T, H)
+
+
+def represent(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor) -> Rep:
+    """Quantize (BF16 input, document-local scales) and split into codes and fold exponent."""
+    T, H, _ = x.shape
+    xb = x.to(torch.bfloat16)
+    zeros = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    if not spec.quantized:
+        v = xb.to(torch.float32)
+        return Rep(v, v, zeros)
+    from .quantize import quantize
+
+    qz = quantize(xb, spec, cu_seqlens)
+    value = qz.dequantize().to(torch.float32)
+    if spec.granularity not in _FOLDABLE:
+        return Rep(value, value, zeros)
+    e = _scale_exponents(qz.scales, T, H)
+    return Rep(value, value * torch.exp2(-e)[..., None], e)
+
+
+def _token_spec(spec: OperandQuant) -> OperandQuant:
+    return spec.model_copy(update={"granularity": Granularity.token})
+
+
+def _product_spec(spec: OperandQuant) -> OperandQuant:
+    """Q or K in the dK / dQ products: unrotated; NVFP4 is QKᵀ-only (E4M3 token-block there)."""
+    if spec.granularity is Granularity.nvfp4:
+        return _E4M3_TB
+    return spec.model_copy(update={"hadamard": False}) if spec.hadamard else spec
+
+
+# ---- the plan: static, route-derived decisions
+
+
+@dataclass(frozen=True)
+class Plan:
+    route: Route
+    causal: bool
+    tile_m: int
+    tile_n: int
+    scale: float
+    per_key_k: bool  # k_fold: per-key K on diagonal tiles (QKᵀ and dS·K)
+    per_key_v: bool  # diagonal per_key_v: per-key V on diagonal tiles (PV and dO·Vᵀ)
+    causal_rows_q: bool  # exact + token_block Q: per-token Q in QKᵀ
+    causal_rows_do: bool  # exact + token_block dO: per-token dO in dP and D
+    causal_dq: bool  # causal dQ scale: dS for dQ per (row, key tile)
+    chunk: int  # query rows per step (a multiple of tile_m)
+
+
+def _needs_32(route: Route) -> bool:
+    return any(oq.granularity in (Granularity.token_block, Granularity.square_32)
+               for _, oq in route.operands.items())
+
+
+def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024) -> Plan:
+    if tile_m <= 0 or tile_n <= 0:
+        raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
+    if _needs_32(route) and (tile_m % 32 or tile_n % 32):
+        raise ValueError(f"route {route.name!r} has 32-token blocks: tile_m and tile_n must be multiples "
+                         f"of 32 (got {tile_m}, {tile_n}); a block straddling a tile edge would leak")
+    ops = route.operands
+    tb = Granularity.token_block
+    return Plan(
+        route=route, causal=causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
+        per_key_k=causal and route.k_fold and ops.k.granularity is tb,
+        per_key_v=causal and route.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb,
+        causal_rows_q=route.exact and ops.q.granularity is tb,
+        causal_rows_do=route.exact and ops.do.granularity is tb,
+        causal_dq=route.causal_dq_scale,
+        chunk=max(tile_m, (chunk // tile_m) * tile_m))
+
+
+@dataclass(frozen=True)
+class ForwardOps:
+    qs: Rep  # Q in QKᵀ
+    ks: Rep  # K in QKᵀ (off-diagonal tiles, or all tiles)
+    ks_tok: Rep | None  # K per key on diagonal tiles
+    v: Rep
+    v_tok: Rep | None
+
+
+@dataclass(frozen=True)
+class BackwardOps:
+    fwd: ForwardOps
+    do_rows: Rep  # dO in dP = dO·Vᵀ and in D = rowsum(dO∘O)
+    do_dv: Rep  # dO in dV = Pᵀ·dO
+    kq: Rep  # K in dQ = dS·K
+    kq_tok: Rep | None
+    qk: Rep  # Q in dK = dSᵀ·Q
+
+
+def prepare_forward(plan: Plan, q, k, v, cu) -> ForwardOps:
+    ops = plan.route.operands
+    qspec = _token_spec(ops.q) if plan.causal_rows_q else ops.q
+    return ForwardOps(
+        qs=represent(q, qspec, cu),
+        ks=represent(k, ops.k, cu),
+        ks_tok=represent(k, _token_spec(ops.k), cu) if plan.per_key_k else None,
+        v=represent(v, ops.v, cu),
+        v_tok=represent(v, _token_spec(ops.v), cu) if plan.per_key_v else None)
+
+
+def prepare_backward(plan: Plan, q, k, v, do, cu) -> BackwardOps:
+    ops = plan.route.operands
+    fwd = prepare_forward(plan, q, k, v, cu)
+    do_dv = represent(do, ops.do, cu)
+    kspec = _product_spec(ops.k)
+    return BackwardOps(
+        fwd=fwd,
+        do_rows=represent(do, _token_spec(ops.do), cu) if plan.causal_rows_do else do_dv,
+        do_dv=do_dv,
+        kq=fwd.ks if kspec == ops.k else represent(k, kspec, cu),
+        kq_tok=represent(k, _token_spec(kspec), cu) if plan.per_key_k else None,
+        qk=represent(q, _product_spec(ops.q), cu))
+
+
+# ---- tile geometry of one query chunk
+
+
+@dataclass(frozen=True)
+class Geometry:
+    visible: torch.Tensor  # (M, N) bool
+    empty: torch.Tensor  # (M,) bool: no visible key
+    diag: torch.Tensor | None  # (M, N) bool: (query tile, key tile) is a diagonal tile
+
+
+def geometry(plan: Plan, a: int, b: int, n: int, length: int, device) -> Geometry:
+    vis = visible_mask(a, b - a, n, plan.causal, device)
+    diag = None
+    if plan.causal and (plan.per_key_k or plan.per_key_v):
+        i = torch.arange(a, b, device=device)[:, None]
+        j = torch.arange(n, device=device)[None, :]
+        last_key = torch.clamp((j // plan.tile_n + 1) * plan.tile_n, max=length) - 1
+        diag = last_key > (i // plan.tile_m) * plan.tile_m
+    return Geometry(vis, ~vis.any(dim=-1), diag)
+
+
+def _pick(mask, a, b):
+    """Per (row, key) choice between two tensors; `mask` None → `a`."""
+    return a if mask is None else torch.where(mask, b, a)
+
+
+def _split_matmul(w, x, x_diag, diag):
+    """Σ_j w[., j] · x(j) with x(j) from `x_diag` on diagonal tiles: two masked matmuls."""
+    if diag is None or x_diag is None:
+        return w @ x
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    return torch.where(diag, zero, w) @ x + torch.where(diag, w, zero) @ x_diag
+
+
+def scores_log2(plan: Plan, f: ForwardOps, qc: torch.Tensor, kd: Rep, kt: Rep | None, g: Geometry):
+    """x = scale·log2(e)·Q̂K̂ᵀ (fp32), -inf where masked; K per key on diagonal tiles."""
+    s = qc @ kd.value.transpose(-1, -2)
+    if kt is not None and g.diag is not None:
+        s = torch.where(g.diag, qc @ kt.value.transpose(-1, -2), s)
+    x = s * (plan.scale * LOG2E)
+    return x.masked_fill(~g.visible, float("-inf"))
+
+
+# ---- forward
+
+
+def _forward_chunk(plan: Plan, f: ForwardOps, qc, kd, kt, vd, vt, g: Geometry):
+    """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
+    V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
+    power of two; the denominator l = Σ exp2(x − max x) is fp32, unquantized."""
+    x = scores_log2(plan, f, qc, kd, kt, g)
+    ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
+    y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
+    empty = g.empty[None, :]
+    m = torch.where(empty, 0.0, torch.ceil(y.amax(dim=-1)))
+    mx = torch.where(empty, 0.0, x.amax(dim=-1))
+    p_hat = quant_p(torch.exp2(y - m[..., None]), plan.route.operands.p)
+    l = torch.exp2(x - mx[..., None]).sum(dim=-1)
+    acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
+    o = acc * (torch.exp2(m - mx) / torch.where(empty, 1.0, l))[..., None]
+    o = torch.where(empty[..., None], 0.0, o)
+    lse = torch.where(empty, float("inf"), (mx + torch.log2(l)) * LN2)
+    return o, lse
+
+
+def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None):
+    """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log)."""
+    T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
+    plan = make_plan(route, causal, tile_m, tile_n, 1.0 / math.sqrt(D) if scale is None else float(scale))
+    f = prepare_forward(plan, q, k, v, cu_seqlens)
+    heads = torch.arange(Hq, device=q.device) // group
+    qheads = torch.arange(Hq, device=q.device)
+    o = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, Hq), float("inf"), dtype=torch.float32, device=q.device)
+    for s, e in doc_ranges(cu_seqlens):
+        qd, kd, vd = f.qs.doc(s, e, qheads), f.ks.doc(s, e, heads), f.v.doc(s, e, heads)
+        kt = f.ks_tok.doc(s, e, heads) if f.ks_tok else None
+        vt = f.v_tok.doc(s, e, heads) if f.v_tok else None
+        for a, b in query_chunks(e - s, plan.chunk):
+            n = b if causal else e - s
+            g = geometry(plan, a, b, n, e - s, q.device)
+            oc, lc = _forward_chunk(plan, f, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n),
+                                    _cut(vt, n), g)
+            o[s + a:s + b] = oc.transpose(0, 1)
+            lse[s + a:s + b] = lc.transpose(0, 1)
+    return o, lse
+
+
+def _cut(r: Rep | None, n: int) -> Rep | None:
+    return None if r is None else Rep(r.value[:, :n], r.codes[:, :n], r.exp[:, :n])
+
+
+# ---- backward
+
+
+@dataclass(frozen=True)
+class _ChunkGrad:
+    ds: torch.Tensor  # (H, M, N) dS (masked entries exactly 0), before the softmax scale
+    p: torch.Tensor  # (H, M, N) P = exp2(x − LSE₂)
+
+
+def _grad_chunk(plan: Plan, bo: BackwardOps, qc, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
+    """Recompute P from the forward's operands and decisions; dS = P ∘ (dO·V̂ᵀ − D)."""
+    x = scores_log2(plan, bo.fwd, qc, kd, kt, g)
+    p = torch.exp2(x - lse2[..., None])
+    dp = do_r @ vd.value.transpose(-1, -2)
+    if vt is not None and g.diag is not None:
+        dp = torch.where(g.diag, do_r @ vt.value.transpose(-1, -2), dp)
+    dvec = (do_r * oc).sum(dim=-1)  # D from the same dO representation as dP (FLAMIA §3.3)
+    ds = torch.where(g.visible, p * (dp - dvec[..., None]), torch.zeros_like(p))
+    return _ChunkGrad(ds, p)
+
+
+def _ds_groups(plan: Plan, for_dq: bool) -> tuple[int, int] | None:
+    """(rows, keys) of one dS scale group in a chunk; None for tensor/static/none."""
+    ds = plan.route.operands.ds
+    if for_dq and plan.causal_dq:
+        return (1, plan.tile_n)  # causal dQ scale: per (query row, key tile), visible keys only
+    if ds.granularity is Granularity.token:
+        return (1, plan.tile_n) if for_dq else (plan.tile_m, 1)
+    if ds.granularity is Granularity.square_32:
+        return (ds.block, ds.block)
+    return None
+
+
+def quant_ds(plan: Plan, y: torch.Tensor, for_dq: bool, tensor_amax: torch.Tensor | None) -> torch.Tensor:
+    """Quantize a folded dS (H, M, N) with the route's ds spec for the dQ or the dK product."""
+    ds = plan.route.operands.ds
+    if not ds.quantized:
+        return y
+    groups = _ds_groups(plan, for_dq)
+    if groups is not None:
+        e = pow2_exponent(group_amax(y, *groups), ds.format, ds.exponent_rule)
+    elif ds.granularity is Granularity.tensor:
+        e = pow2_exponent(tensor_amax, ds.format, ds.exponent_rule)
+    elif ds.granularity is Granularity.static:
+        e = torch.tensor(-float(ds.static_exponent))
+    else:
+        raise ValueError(f"ds.granularity={ds.granularity.value!r} is not supported by the emulator")
+    return quant_with_exponent(y, e, ds.format)
+
+
+def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geometry):
+    """dS with K's per-key exponent folded in (dQ product) and with Q's per-row exponent (dK)."""
+    ek = _pick(g.diag if kqt is not None else None, kq.exp[:, None, :], kqt.exp[:, None, :] if kqt else None)
+    return cg.ds * torch.exp2(ek), cg.ds * torch.exp2(qk_exp[..., None])
+
+
+def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
+                   scale=None):
+    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v."""
+    T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
+    plan = make_plan(route, causal, tile_m, tile_n, 1.0 / math.sqrt(D) if scale is None else float(scale))
+    bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
+    o32 = o.to(torch.float32)
+    lse2 = lse.to(torch.float32) * LOG2E
+    tensor_amax = None
+    ds = route.operands.ds
+    if ds.quantized and ds.granularity is Granularity.tensor:
+        tensor_amax = _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, None)
+    return _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
+
+
+def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax):
+    """One sweep over documents and query chunks. With a tensor-scaled dS the first sweep
+    (`tensor_amax` None) only returns the two folded dS amaxes (dQ fold, dK fold)."""
+    T, Hq, D = o32.shape
+    Hkv = Hq // group
+    dev = o32.device
+    amax_only = tensor_amax is None and plan.route.operands.ds.granularity is Granularity.tensor \
+        and plan.route.operands.ds.quantized
+    amax = torch.zeros(2, dtype=torch.float32, device=dev)
+    dq = torch.zeros(T, Hq, D, dtype=torch.float32, device=dev)
+    dk = torch.zeros(T, Hq, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros(T, Hq, D, dtype=torch.float32, device=dev)
+    heads = torch.arange(Hq, device=dev) // group
+    qh = torch.arange(Hq, device=dev)
+    f = bo.fwd
+    for s, e in doc_ranges(cu):
+        L = e - s
+        qd, kd, vd = f.qs.doc(s, e, qh), f.ks.doc(s, e, heads), f.v.doc(s, e, heads)
+        kt = f.ks_tok.doc(s, e, heads) if f.ks_tok else None
+        vt = f.v_tok.doc(s, e, heads) if f.v_tok else None
+        do_r, do_v = bo.do_rows.doc(s, e, qh), bo.do_dv.doc(s, e, qh)
+        kq = bo.kq.doc(s, e, heads)
+        kqt = bo.kq_tok.doc(s, e, heads) if bo.kq_tok else None
+        qk = bo.qk.doc(s, e, qh)
+        od, ld = o32[s:e].transpose(0, 1), lse2[s:e].transpose(0, 1)
+        for a, b in query_chunks(L, plan.chunk):
+            n = b if plan.causal else L
+            g = geometry(plan, a, b, n, L, dev)
+            cg = _grad_chunk(plan, bo, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
+                             do_r.value[:, a:b], od[:, a:b], ld[:, a:b], g)
+            ds_q, ds_k = _folds(plan, cg, _cut(kq, n), _cut(kqt, n), qk.exp[:, a:b], g)
+            if amax_only:
+                amax = torch.maximum(amax, torch.stack([ds_q.abs().amax(), ds_k.abs().amax()]))
+                continue
+            dsq_hat = quant_ds(plan, ds_q, True, None if tensor_amax is None else tensor_amax[0])
+            dsk_hat = quant_ds(plan, ds_k, False, None if tensor_amax is None else tensor_amax[1])
+            dq_c = _split_matmul(dsq_hat, kq.codes[:, :n], kqt.codes[:, :n] if kqt else None,
+                                 g.diag if kqt else None)
+            dq[s + a:s + b] = (dq_c * plan.scale).transpose(0, 1)
+            dk[s:s + n] += (dsk_hat.transpose(-1, -2) @ qk.codes[:, a:b] * plan.scale).transpose(0, 1)
+            p_hat = quant_p(cg.p, plan.route.operands.p)
+            dv[s:s + n] += (p_hat.transpose(-1, -2) @ do_v.value[:, a:b]).transpose(0, 1)
+    if amax_only:
+        return amax
+    return dq, _sum_groups(dk, Hkv, group), _sum_groups(dv, Hkv, group)
+
+
+def _sum_groups(x: torch.Tensor, hkv: int, group: int) -> torch.Tensor:
+    """(T, Hq, D) per-q-head partials → (T, Hkv, D): GQA sums the heads sharing a kv head."""
+    T, _, D = x.shape
+    return x.view(T, hkv, group, D).sum(dim=2)

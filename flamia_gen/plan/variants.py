@@ -1,0 +1,147 @@
+"""Spec × tunables → concrete variants. Every point is checked analytically
+(`feasibility`) before anything compiles; pruned points keep their reason."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from .. import __version__
+from ..spec import Arch, Format, Granularity, KernelFamily, KernelKind, Operand, Route, SpecSet
+from ..spec.route import operand_quant
+from .feasibility import check_quant
+from .naming import procedural_name
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One concrete kernel: everything a template needs, as validated plain values."""
+
+    name: str
+    family: str
+    arch: Arch
+    kind: KernelKind
+    template: str
+    route: str
+    spec_hash: str
+    params: tuple  # sorted (key, value) pairs: enums as their string value, ints, bools
+    uses: tuple = ()  # "route.operand" pairs served by this variant
+
+    @property
+    def context(self) -> dict:
+        ctx = dict(self.params)
+        ctx.update(name=self.name, arch=self.arch.value, cute_arch=self.arch.cute_arch,
+                   kind=self.kind.value, route=self.route, spec_hash=self.spec_hash,
+                   flamia_version=__version__, uses=list(self.uses))
+        return ctx
+
+    def param(self, key: str):
+        return dict(self.params)[key]
+
+
+@dataclass(frozen=True)
+class Pruned:
+    name: str
+    family: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    variants: list[Variant] = field(default_factory=list)
+    pruned: list[Pruned] = field(default_factory=list)
+
+    def by_name(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(f"no variant named {name!r}")
+
+
+def _quant_points(fam: KernelFamily, route: Route):
+    t = fam.tunables
+    for op in fam.operands:
+        oq = operand_quant(route, op)
+        if not oq.quantized:
+            continue  # nothing to quantize (bf16 operand)
+        for d, tpc, hpc in itertools.product(fam.head_dims, t.tokens_per_cta, t.heads_per_cta):
+            params = dict(
+                quant=oq.short_str(),
+                fmt=oq.format.value,
+                granularity=oq.granularity.value,
+                exponent_rule=oq.exponent_rule.value,
+                hadamard=oq.hadamard,
+                head_dim=d,
+                tokens_per_cta=tpc,
+                heads_per_cta=hpc,
+                write_transposed=oq.format is not Format.e2m1,
+                sm_count=fam.sm_count,
+            )
+            yield op, oq, params
+
+
+def _hash(obj) -> str:
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = None) -> Plan:
+    """Quantizer variants are keyed by the operand's representation, not by route: the
+    q of mxfp8 and the k of mxfp8_exact are one kernel. `uses` lists route.operand."""
+    plan = Plan()
+    uses: dict[str, list[str]] = {}
+    found: dict[str, Variant] = {}
+    for rname in fam.routes:
+        if routes and rname not in routes:
+            continue
+        route = specs.route(rname)
+        if fam.kind is not KernelKind.quant:
+            continue  # attention families plug in here as their templates land
+        for op, oq, params in _quant_points(fam, route):
+            name = procedural_name(fam.kind, fam.arch, oq.short_str(), params)
+            uses.setdefault(name, []).append(f"{route.name}.{op.value}")
+            if name in found or any(p.name == name for p in plan.pruned):
+                continue
+            ok, reason = check_quant(fam.arch, oq, params)
+            if not ok:
+                plan.pruned.append(Pruned(name, fam.name, reason))
+                continue
+            found[name] = Variant(
+                name=name, family=fam.name, arch=fam.arch, kind=fam.kind, template=fam.template,
+                route=oq.short_str(), spec_hash=_hash(oq.model_dump(mode="json")),
+                params=tuple(sorted(params.items())))
+    for name, v in found.items():
+        plan.variants.append(Variant(**{**v.__dict__, "uses": tuple(sorted(uses[name]))}))
+    return plan
+
+
+def make_plan(specs: SpecSet, *, arch: Arch | str | None = None, routes: list[str] | None = None,
+              kinds: list[KernelKind] | None = None) -> Plan:
+    """All variants of all families (optionally filtered), names unique."""
+    if routes:
+        for r in routes:
+            specs.route(r)  # unknown route → SpecError naming the allowed ones
+    arch = Arch(arch) if arch else None
+    plan = Plan()
+    for fam in specs.families.values():
+        if arch and fam.arch is not arch:
+            continue
+        if kinds and fam.kind not in kinds:
+            continue
+        sub = expand_family(fam, specs, routes)
+        plan.variants += sub.variants
+        plan.pruned += sub.pruned
+    seen: set[str] = set()
+    for v in plan.variants:
+        if v.name in seen:
+            raise ValueError(f"two variants are named {v.name!r}: the procedural name must spell every "
+                             "parameter that differs")
+        seen.add(v.name)
+    plan.variants.sort(key=lambda v: v.name)
+    plan.pruned.sort(key=lambda p: p.name)
+    return plan
+
+
+__all__ = ["Variant", "Pruned", "Plan", "expand_family", "make_plan", "Operand", "Granularity"]

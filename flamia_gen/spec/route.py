@@ -1,0 +1,176 @@
+"""A route: for each operand of attention training, a format and a scaling granularity,
+plus the safeguards (DESIGN.md §2). Pydantic parses YAML into these frozen models; the
+cross-field rules live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .enums import DiagonalPolicy, DqAccumulator, ExpApprox, ExponentRule, Format, Granularity, Operand
+
+_IDENT = r"^[a-z][a-z0-9_]{0,47}$"
+
+# Which granularities an operand may take. P and dS are produced inside the kernel.
+_ALLOWED_GRANULARITY: dict[Operand, set[Granularity]] = {
+    Operand.q: {Granularity.none, Granularity.tensor, Granularity.block1d_32, Granularity.token_block,
+                Granularity.token, Granularity.nvfp4},
+    Operand.k: {Granularity.none, Granularity.tensor, Granularity.block1d_32, Granularity.token_block,
+                Granularity.token, Granularity.nvfp4},
+    Operand.v: {Granularity.none, Granularity.tensor, Granularity.block1d_32, Granularity.token_block,
+                Granularity.token},
+    Operand.do: {Granularity.none, Granularity.tensor, Granularity.block1d_32, Granularity.token_block,
+                 Granularity.token},
+    Operand.p: {Granularity.none, Granularity.static},
+    Operand.ds: {Granularity.none, Granularity.tensor, Granularity.square_32, Granularity.token,
+                 Granularity.static},
+}
+
+
+class OperandQuant(BaseModel):
+    """How one operand is represented."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Format
+    granularity: Granularity
+    exponent_rule: ExponentRule = ExponentRule.ceil
+    block: int = Field(32, description="tokens (token_block), elements (block1d) or side (square)")
+    hadamard: bool = False
+    static_exponent: int = Field(0, ge=-126, le=127, description="granularity=static: scale is 2**static_exponent")
+
+    @model_validator(mode="after")
+    def _format_matches_granularity(self) -> "OperandQuant":
+        f, g = self.format, self.granularity
+        if f is Format.bf16 and g is not Granularity.none:
+            raise ValueError(f"granularity={g.value!r} needs an 8/4-bit format; bf16 takes 'none'")
+        if f is not Format.bf16 and g is Granularity.none:
+            raise ValueError(f"format={f.value!r} needs a scale granularity, not 'none'")
+        if (f is Format.e2m1) != (g is Granularity.nvfp4):
+            raise ValueError("format 'e2m1' and granularity 'nvfp4' go together "
+                             f"(got format={f.value!r}, granularity={g.value!r})")
+        if g in (Granularity.token_block, Granularity.block1d_32, Granularity.square_32) and self.block != 32:
+            raise ValueError(f"granularity={g.value!r} needs block=32 (got block={self.block}); "
+                             "allowed values: 32")
+        return self
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not Format.bf16
+
+    def short_str(self) -> str:
+        """Legible tag, torchao style: e4m3_tb32_ceil, e2m1_nvfp4, bf16."""
+        if not self.quantized:
+            return "bf16"
+        g = {Granularity.token_block: "tb", Granularity.block1d_32: "b1d", Granularity.square_32: "sq",
+             Granularity.token: "tok", Granularity.tensor: "tsr", Granularity.static: "st",
+             Granularity.nvfp4: "nvfp4"}[self.granularity]
+        if self.granularity in (Granularity.token_block, Granularity.block1d_32, Granularity.square_32):
+            g += str(self.block)
+        s = f"{self.format.value}_{g}"
+        if self.granularity not in (Granularity.static, Granularity.nvfp4):
+            s += f"_{self.exponent_rule.value}"
+        if self.hadamard:
+            s += "_had"
+        return s
+
+
+class Operands(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    q: OperandQuant
+    k: OperandQuant
+    v: OperandQuant
+    do: OperandQuant
+    p: OperandQuant
+    ds: OperandQuant
+
+    def items(self):
+        return [(Operand(name), getattr(self, name)) for name in ("q", "k", "v", "do", "p", "ds")]
+
+    @model_validator(mode="after")
+    def _per_operand_rules(self) -> "Operands":
+        for op, oq in self.items():
+            allowed = _ALLOWED_GRANULARITY[op]
+            if oq.granularity not in allowed:
+                raise ValueError(
+                    f"{op.value}.granularity={oq.granularity.value!r} is not allowed for operand "
+                    f"{op.value!r}; allowed values: {sorted(a.value for a in allowed)}")
+            if oq.hadamard and op not in (Operand.q, Operand.k):
+                raise ValueError(f"{op.value}.hadamard=true: the rotation is only defined for q and k "
+                                 "(it cancels in QKᵀ)")
+        if self.q.hadamard != self.k.hadamard:
+            raise ValueError("q.hadamard and k.hadamard must be equal (the rotation must cancel in QKᵀ)")
+        return self
+
+
+class Route(BaseModel):
+    """A named recipe for attention training in low precision."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=_IDENT)
+    description: str = ""
+    operands: Operands
+    diagonal: DiagonalPolicy = DiagonalPolicy.none
+    k_fold: bool = False
+    causal_dq_scale: bool = False
+    dq_accumulator: DqAccumulator = DqAccumulator.fp32_atomic
+    exp_approx: ExpApprox = ExpApprox.ex2
+    exact: bool = Field(False, description="claims O_i, dQ_i bitwise independent of later positions")
+
+    @field_validator("description")
+    @classmethod
+    def _one_line(cls, v: str) -> str:
+        return " ".join(v.split())
+
+    @model_validator(mode="after")
+    def _safeguards(self) -> "Route":
+        ops = self.operands
+        if self.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is not Granularity.token_block:
+            raise ValueError("diagonal='per_key_v' only applies when v.granularity='token_block' "
+                             f"(got v.granularity={ops.v.granularity.value!r})")
+        if self.k_fold and ops.k.granularity is not Granularity.token_block:
+            raise ValueError("k_fold=true only applies when k.granularity='token_block'")
+        if self.causal_dq_scale and not ops.ds.quantized:
+            raise ValueError("causal_dq_scale=true needs a quantized ds")
+        if self.exact:
+            leaky = [op.value for op, oq in ops.items()
+                     if oq.granularity in (Granularity.tensor, Granularity.nvfp4)
+                     or (oq.quantized and oq.exponent_rule is ExponentRule.floor
+                         and oq.granularity is not Granularity.static)]
+            if leaky:
+                raise ValueError(f"exact=true is impossible with tensor-wide, nvfp4 or floor-exponent "
+                                 f"scales (operands {leaky}): a later token moves their scale")
+            if ops.v.granularity is Granularity.token_block and self.diagonal is not DiagonalPolicy.per_key_v:
+                raise ValueError("exact=true with token_block V needs diagonal='per_key_v'")
+            if ops.k.granularity is Granularity.token_block and not self.k_fold:
+                raise ValueError("exact=true with token_block K needs k_fold=true")
+            if ops.ds.quantized and ops.ds.granularity is not Granularity.token and not self.causal_dq_scale:
+                raise ValueError("exact=true with a block-scaled ds needs causal_dq_scale=true")
+        return self
+
+    @property
+    def quantized(self) -> bool:
+        return any(oq.quantized for _, oq in self.operands.items())
+
+    def spec_hash(self) -> str:
+        """Content hash of the parsed route (not the YAML text): comments and key order don't count."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def operand_quant(route: Route, operand: Operand | str) -> OperandQuant:
+    return getattr(route.operands, Operand(operand).value)
+
+
+def input_operands(route: Route) -> list[Operand]:
+    """Operands the fused quantizer handles for this route (quantized inputs only)."""
+    return [op for op, oq in route.operands.items() if op.is_input and oq.quantized]
+
+
+__all__ = ["OperandQuant", "Operands", "Route", "operand_quant", "input_operands", "Optional"]

@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from flamia_gen.plan import check_quant, make_plan, procedural_name
+from flamia_gen.spec import Arch, KernelKind, OperandQuant, SpecError, load_specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return load_specs(REPO / "specs")
+
+
+def test_procedural_name_spells_everything():
+    p = dict(head_dim=128, tokens_per_cta=32, heads_per_cta=1)
+    assert procedural_name(KernelKind.quant, Arch.sm90, "e4m3_tb32_ceil", p) == "quant_sm90_e4m3_tb32_ceil_d128_t32_h1"
+    a = dict(head_dim=128, tile_m=128, tile_n=176, stages=2, compute_warpgroups=2, p_in_registers=True,
+             intra_wg_overlap=False, scheduler="longest_first")
+    assert (procedural_name(KernelKind.attn_fwd, Arch.sm90, "fp8_token", a)
+            == "attn_fwd_sm90_fp8_token_d128_m128n176_s2_wg2_preg_longest_first")
+    with pytest.raises(ValueError, match="not an identifier"):
+        procedural_name(KernelKind.quant, Arch.sm90, "bad-name", p)
+
+
+def test_plan_dedupes_by_representation_and_is_unique(specs):
+    plan = make_plan(specs, arch="sm90")
+    names = [v.name for v in plan.variants]
+    assert len(names) == len(set(names)) and names == sorted(names)
+    tb = plan.by_name("quant_sm90_e4m3_tb32_ceil_d128_t32_h1")
+    # the q/k/v/dO of mxfp8 and mxfp8_exact share one kernel
+    assert {"mxfp8.q", "mxfp8.v", "mxfp8_exact.k", "mxfp8_exact.do"} <= set(tb.uses)
+    assert all(v.arch is Arch.sm90 for v in plan.variants)
+    # bf16 has nothing to quantize
+    assert not any(u.startswith("bf16.") for v in plan.variants for u in v.uses)
+    # every quantized input operand of every route in the family is served at D=128
+    fam = specs.families["quant_sm90"]
+    served = {u for v in plan.variants if v.param("head_dim") == 128 for u in v.uses}
+    for r in fam.routes:
+        for op, oq in specs.routes[r].operands.items():
+            if op.is_input and oq.quantized:
+                assert f"{r}.{op.value}" in served
+
+
+def test_plan_route_filter_and_unknown_route(specs):
+    plan = make_plan(specs, arch="sm100", routes=["fp8_token"])
+    assert plan.variants and all(any(u.startswith("fp8_token.") for u in v.uses) for v in plan.variants)
+    with pytest.raises(SpecError, match="unknown route 'nope'"):
+        make_plan(specs, routes=["nope"])
+
+
+def test_pruning_keeps_reasons(specs):
+    plan = make_plan(specs)
+    assert plan.pruned, "the shipped families prune at least the tensor-granularity tile sizes"
+    for p in plan.pruned:
+        assert p.reason and p.name not in {v.name for v in plan.variants}
+
+
+def _oq(**kw):
+    base = dict(format="e4m3", granularity="token_block", exponent_rule="ceil")
+    base.update(kw)
+    return OperandQuant(**base)
+
+
+def _params(**kw):
+    base = dict(head_dim=128, tokens_per_cta=32, heads_per_cta=1, write_transposed=True)
+    base.update(kw)
+    return base
+
+
+def test_feasibility_rules():
+    assert check_quant(Arch.sm90, _oq(), _params()) == (True, "")
+    ok, why = check_quant(Arch.sm90, _oq(), _params(tokens_per_cta=128, heads_per_cta=4))
+    assert not ok and "rows" in why
+    ok, why = check_quant(Arch.sm90, _oq(granularity="tensor"), _params(tokens_per_cta=64))
+    assert not ok and "tensor" in why
+    ok, why = check_quant(Arch.sm90, _oq(granularity="token", hadamard=True), _params(head_dim=96))
+    assert not ok and ("power of two" in why or "multiple of 32" in why)
