@@ -164,6 +164,17 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _status_note(status: str, note: str) -> str:
+    """The notes cell: the status first (once), then the reason."""
+    from rich.markup import escape
+
+    if status == "ok":
+        return escape(note)
+    if note.startswith(status):
+        note = note[len(status):].lstrip(": ")
+    return f"[yellow]{status}[/]: {escape(note)}" if note else f"[yellow]{status}[/]"
+
+
 def build_table(rows: Sequence[BenchRow], title: str | None = None):
     """A rich Table: one line per (workload, impl)."""
     from rich.table import Table
@@ -199,8 +210,7 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
             cells = [wl, name, r.precision, "-", "-", "-", "-"]
         if with_cos:
             cells += [_fmt(r.o_cos, ".4f"), _fmt(r.dq_cos, ".4f")]
-        note = r.note if r.status == "ok" else f"[yellow]{r.status}[/]: {r.note}"
-        cells.append(note)
+        cells.append(_status_note(r.status, r.note))
         t.add_row(*cells)
     return t
 
@@ -212,9 +222,8 @@ def build_accuracy_table(results: Sequence[Any], title: str | None = None):
     for c in ("impl", "workload", "O cos", "dQ cos", "O rel err", "dQ rel err", "notes"):
         t.add_column(c, justify="right" if ("cos" in c or "err" in c) else "left")
     for a in results:
-        note = a.note if a.status == "ok" else f"[yellow]{a.status}[/]: {a.note}"
         t.add_row(a.impl, a.workload, _fmt(a.o_cos, ".4f"), _fmt(a.dq_cos, ".4f"),
-                  _fmt(a.o_rel, ".2e"), _fmt(a.dq_rel, ".2e"), note)
+                  _fmt(a.o_rel, ".2e"), _fmt(a.dq_rel, ".2e"), _status_note(a.status, a.note))
     return t
 
 

@@ -20,6 +20,8 @@ import torch
 
 __all__ = ["fwht", "hadamard_matrix", "hadamard_scale"]
 
+_CHUNK = 1 << 20  # elements per slice
+
 
 def hadamard_scale(d: int) -> torch.Tensor:
     """``float32(1/sqrt(d))`` as a 0-d fp32 tensor (CPU)."""
@@ -43,17 +45,20 @@ def fwht(y: torch.Tensor) -> torch.Tensor:
     d = y.shape[-1]
     _check_pow2(d)
     lead = y.shape[:-1]
-    z = y.reshape(-1, d)
-    h = 1
-    while h < d:
-        v = z.view(-1, d // (2 * h), 2, h)
-        a, b = v[:, :, 0, :], v[:, :, 1, :]
-        z = torch.stack((a + b, a - b), dim=2).view(-1, d)
-        h *= 2
-    if d == 1:
-        z = z.clone()
-    z = z * hadamard_scale(d).to(z.device)
-    return z.reshape(*lead, d)
+    rows = y.reshape(-1, d)
+    out = torch.empty_like(rows)
+    scale = hadamard_scale(d).to(y.device)
+    step = max(1, _CHUNK // d)  # rows per slice: keeps the stage temporaries in cache
+    for r0 in range(0, rows.shape[0], step):
+        z = rows[r0:r0 + step]
+        h = 1
+        while h < d:
+            v = z.view(-1, d // (2 * h), 2, h)
+            a, b = v[:, :, 0, :], v[:, :, 1, :]
+            z = torch.stack((a + b, a - b), dim=2).view(-1, d)
+            h *= 2
+        torch.mul(z, scale, out=out[r0:r0 + step])
+    return out.reshape(*lead, d)
 
 
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -27,9 +27,10 @@ import torch
 from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
+from .quantize import pow2_exponent, quantize
 from .reference_exact import check_inputs, doc_ranges, query_chunks, visible_mask
 
-__all__ = ["Rep", "Plan", "make_plan", "represent", "route_forward", "route_backward", "pow2_exponent",
+__all__ = ["Rep", "Plan", "make_plan", "represent", "route_forward", "route_backward", "scale_exponent",
            "round_to_format"]
 
 LOG2E = 1.4426950408889634
@@ -42,18 +43,13 @@ _E4M3_TB = OperandQuant(format=Format.e4m3, granularity=Granularity.token_block,
 # ---- element and scale arithmetic (docs/quantizer-contract.md, Steps 3-4)
 
 
-def pow2_exponent(amax: torch.Tensor, fmt: Format, rule: ExponentRule) -> torch.Tensor:
-    """Power-of-two scale exponent of a block with max magnitude `amax` (fp32 result, NaN when
-    amax is NaN/Inf; -127 when amax is 0), per the quantizer contract."""
-    fi = formats.format_info(fmt)
-    a = amax.to(torch.float32)
-    _, ex = torch.frexp(a)
-    e = (ex - 1 - fi.emax).to(torch.float64)
-    if ExponentRule(rule) is ExponentRule.ceil:
-        e = torch.where(a.double() > fi.max * torch.exp2(e), e + 1, e)
-    e = torch.where(a == 0, torch.full_like(e, -127.0), e).clamp(-127, 127)
-    e = torch.where(torch.isfinite(a), e, torch.full_like(e, float("nan")))
-    return e.to(torch.float32)
+def scale_exponent(amax: torch.Tensor, fmt: Format, rule: ExponentRule) -> torch.Tensor:
+    """fp32 power-of-two exponent of blocks with max magnitude `amax`: the quantizer's Step 3
+    (`quantize.pow2_exponent`: -127 for a zero block), NaN for a NaN/Inf block so every value
+    of that block dequantizes to NaN (propagated, never hidden)."""
+    e, _, bad = pow2_exponent(amax.to(torch.float32).contiguous(), fmt, rule)
+    e = e.to(torch.float32)
+    return torch.where(bad, torch.full_like(e, float("nan")), e)
 
 
 def round_to_format(y: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -119,8 +115,6 @@ def represent(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor) -> 
     if not spec.quantized:
         v = xb.to(torch.float32)
         return Rep(v, v, zeros)
-    from .quantize import quantize
-
     qz = quantize(xb, spec, cu_seqlens)
     value = qz.dequantize().to(torch.float32)
     if spec.granularity not in _FOLDABLE:
@@ -357,9 +351,9 @@ def quant_ds(plan: Plan, y: torch.Tensor, for_dq: bool, tensor_amax: torch.Tenso
         return y
     groups = _ds_groups(plan, for_dq)
     if groups is not None:
-        e = pow2_exponent(group_amax(y, *groups), ds.format, ds.exponent_rule)
+        e = scale_exponent(group_amax(y, *groups), ds.format, ds.exponent_rule)
     elif ds.granularity is Granularity.tensor:
-        e = pow2_exponent(tensor_amax, ds.format, ds.exponent_rule)
+        e = scale_exponent(tensor_amax, ds.format, ds.exponent_rule)
     elif ds.granularity is Granularity.static:
         e = torch.tensor(-float(ds.static_exponent))
     else:

@@ -41,3 +41,38 @@ def check_quant(arch: Arch, oq: OperandQuant, params: dict) -> tuple[bool, str]:
     if (d * 1) % 16:
         return False, f"head_dim={d}: a row of codes is not a multiple of 16 bytes"
     return True, ""
+
+
+# Registers a consumer thread may hold after `setmaxnreg` (240 of 255, rest for addressing).
+CONSUMER_REGS = 240
+WGMMA_M = 64  # each consumer warpgroup owns 64 query rows (FA3)
+
+
+def attn_smem_bytes(params: dict, elem_bytes: int) -> int:
+    d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
+    q = m * d * elem_bytes
+    kv = st * 2 * n * d * elem_bytes
+    o = m * d * 2  # BF16 epilogue staging
+    p = 0 if params["p_in_registers"] else m * n * elem_bytes
+    barriers = 1024
+    return q + kv + o + p + barriers
+
+
+def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
+    d, m, n = params["head_dim"], params["tile_m"], params["tile_n"]
+    wg = params["compute_warpgroups"]
+    if m != WGMMA_M * wg:
+        return False, f"tile_m={m} must be 64 × compute_warpgroups ({wg}): each warpgroup owns 64 rows"
+    if arch is Arch.sm90 and elem_bytes == 1 and n % 32:
+        return False, f"tile_n={n}: FP8 PV contracts over keys in k-steps of 32"
+    if n % 16:
+        return False, f"tile_n={n} is not a multiple of 16"
+    # fp32 accumulators per thread: O (64×D/128) + S (64×n/128), twice S when the softmax
+    # of one tile overlaps the QKᵀ of the next.
+    live = d // 2 + (n // 2) * (2 if params["intra_wg_overlap"] else 1) + 40
+    if live > CONSUMER_REGS:
+        return False, f"~{live} live registers per consumer thread > {CONSUMER_REGS}"
+    smem = attn_smem_bytes(params, elem_bytes)
+    if smem > SMEM_LIMIT[arch]:
+        return False, f"shared memory {smem} B > {SMEM_LIMIT[arch]} B"
+    return True, ""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..spec import Arch, Format, Granularity, KernelFamily, KernelKind, Operand, Route, SpecSet
 from ..spec.route import operand_quant
-from .feasibility import check_quant
+from .feasibility import check_attn, check_quant
 from .naming import procedural_name
 
 
@@ -82,6 +82,24 @@ def _quant_points(fam: KernelFamily, route: Route):
             yield op, oq, params
 
 
+def _attn_points(fam: KernelFamily, route: Route):
+    """Attention variants carry the route's operand representations as flat values."""
+    t = fam.tunables
+    ops = {op.value: oq for op, oq in route.operands.items()}
+    base = {}
+    for o, oq in ops.items():
+        base[f"{o}_fmt"] = oq.format.value
+        base[f"{o}_gran"] = oq.granularity.value
+    base.update(p_static_exponent=ops["p"].static_exponent, diagonal=route.diagonal.value,
+                k_fold=route.k_fold, causal_dq_scale=route.causal_dq_scale, exp_approx=route.exp_approx.value,
+                sm_count=fam.sm_count)
+    for d, m, n, st, wg, preg, ovl, sch, causal in itertools.product(
+            fam.head_dims, t.tile_m, t.tile_n, t.stages, t.compute_warpgroups, t.p_in_registers,
+            t.intra_wg_overlap, t.scheduler, t.causal):
+        yield dict(base, head_dim=d, tile_m=m, tile_n=n, stages=st, compute_warpgroups=wg, p_in_registers=preg,
+                   intra_wg_overlap=ovl, scheduler=sch.value, causal=causal)
+
+
 def _hash(obj) -> str:
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -98,7 +116,19 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
             continue
         route = specs.route(rname)
         if fam.kind is not KernelKind.quant:
-            continue  # attention families plug in here as their templates land
+            for params in _attn_points(fam, route):
+                name = procedural_name(fam.kind, fam.arch, route.name, params)
+                if not params["causal"]:
+                    name += "_noncausal"
+                ok, reason = check_attn(fam.arch, 2 if route.operands.q.format is Format.bf16 else 1, params)
+                if not ok:
+                    plan.pruned.append(Pruned(name, fam.name, reason))
+                    continue
+                found[name] = Variant(name=name, family=fam.name, arch=fam.arch, kind=fam.kind,
+                                      template=fam.template, route=route.name, spec_hash=route.spec_hash(),
+                                      params=tuple(sorted(params.items())))
+                uses.setdefault(name, []).append(route.name)
+            continue
         for op, oq, params in _quant_points(fam, route):
             name = procedural_name(fam.kind, fam.arch, oq.short_str(), params)
             uses.setdefault(name, []).append(f"{route.name}.{op.value}")

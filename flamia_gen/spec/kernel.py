@@ -36,6 +36,7 @@ class AttnTunables(BaseModel):
     p_in_registers: list[bool] = [True]
     intra_wg_overlap: list[bool] = [True]
     scheduler: list[Scheduler] = [Scheduler.longest_first]
+    causal: list[bool] = [True, False]
 
 
 class KernelFamily(BaseModel):

@@ -80,4 +80,19 @@ def test_run_accuracy_on_cpu(fakes):
     assert nobwd.o_cos > 0.9999 and nobwd.dq_cos is None and nobwd.note.startswith("no dQ")
     assert res["cpu_missing"].status == "not installed"
     assert res["cpu_eqonly"].status == "skipped"
-    assert "reference_o_dq" in exact.reference
+    assert exact.reference in ("flamia_gen.numerics.reference.attention",
+                               "flamia_gen.bench.accuracy.reference_o_dq (fp32)")
+
+
+def test_reference_agrees_with_numerics_package_when_present():
+    from flamia_gen.bench.accuracy import reference
+
+    wl = get_workload("skew9+2x4", heads=2, head_dim=8)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(wl.total_tokens, 2, 8, generator=g).to(torch.bfloat16)
+                   for _ in range(4))
+    o, dq, which = reference(q, k, v, do, wl)
+    o_own, dq_own = reference_o_dq(q, k, v, do, wl.doc_lens)
+    assert which  # names the reference that ran
+    torch.testing.assert_close(o.float(), o_own, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dq.float(), dq_own, atol=1e-5, rtol=1e-5)

@@ -77,3 +77,27 @@ def test_feasibility_rules():
     assert not ok and "tensor" in why
     ok, why = check_quant(Arch.sm90, _oq(granularity="token", hadamard=True), _params(head_dim=96))
     assert not ok and ("power of two" in why or "multiple of 32" in why)
+
+
+def test_attention_family_expansion_and_pruning(tmp_path):
+    import shutil
+
+    import yaml
+
+    shutil.copytree(REPO / "specs", tmp_path / "specs")
+    fam = dict(name="attn_fwd_sm90", arch="sm90", kind="attn_fwd", template="sm90/attn_fwd.py.j2",
+               routes=["bf16", "fp8_token"], head_dims=[128],
+               tunables=dict(tile_m=[128, 192], tile_n=[128, 176], compute_warpgroups=[2],
+                             intra_wg_overlap=[True], causal=[True]))
+    (tmp_path / "specs/kernels/attn_fwd_sm90.yaml").write_text(yaml.safe_dump(fam))
+    plan = make_plan(load_specs(tmp_path / "specs"), kinds=[KernelKind.attn_fwd])
+    names = {v.name for v in plan.variants}
+    assert "attn_fwd_sm90_fp8_token_d128_m128n128_s2_wg2_preg_ovl_longest_first" in names
+    reasons = {p.name: p.reason for p in plan.pruned}
+    assert "64 × compute_warpgroups" in reasons["attn_fwd_sm90_bf16_d128_m192n128_s2_wg2_preg_ovl_longest_first"]
+    assert "k-steps of 32" in reasons["attn_fwd_sm90_fp8_token_d128_m128n176_s2_wg2_preg_ovl_longest_first"]
+    assert "registers" in reasons["attn_fwd_sm90_bf16_d128_m128n176_s2_wg2_preg_ovl_longest_first"]
+    v = plan.by_name("attn_fwd_sm90_fp8_token_d128_m128n128_s2_wg2_preg_ovl_longest_first")
+    ctx = v.context
+    assert ctx["q_fmt"] == "e4m3" and ctx["v_gran"] == "token" and ctx["p_static_exponent"] == 8
+    assert ctx["causal"] is True and ctx["route"] == "fp8_token"

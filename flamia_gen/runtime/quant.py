@@ -1,0 +1,170 @@
+"""Host side of the fused quantizer: input checks, output allocation, the call.
+
+A built quantizer is a tvm-ffi function exported ahead of time from a rendered
+`generated/<arch>/quant_*.py` module; its module-level `ARGS` list describes the call
+signature (name, dtype, shape expression, role). This module needs torch only: it never
+imports the CuTe DSL, so it runs on the GPU host that has no DSL.
+
+    fn = load_quantizer("quant_sm90_....so", "quant_sm90_...")
+    out = run_quantizer(fn, ARGS, x, cu_seqlens)      # {"codes": ..., "scales": ..., ...}
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = ["check_quant_inputs", "shape_of", "allocate_outputs", "run_quantizer", "load_quantizer",
+           "QUANT_DTYPES"]
+
+QUANT_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+_SHAPE_NAMES = ("T", "H", "D", "T_pad", "NUM_DOCS")
+
+
+def check_quant_inputs(x: torch.Tensor, cu_seqlens: torch.Tensor,
+                       head_dim_allowed: Iterable[int] = (64, 128)) -> tuple[int, int, int, int]:
+    """Validate the quantizer's inputs; returns (T, H, D, num_docs).
+
+    Raises ValueError naming the offending argument. Checking the values of cu_seqlens
+    (first 0, last T) reads two elements back from the device: a host sync, so call it
+    in debug paths and tests, not inside a captured CUDA graph.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be 3-D (T, H, D), got shape {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    t, h, d = (int(s) for s in x.shape)
+    allowed = tuple(head_dim_allowed)
+    if d not in allowed:
+        raise ValueError(f"x: head dim D={d} is not supported; allowed values: {list(allowed)}")
+    if h < 1:
+        raise ValueError(f"x: H={h} must be at least 1")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries (one document), got {cu_seqlens.numel()}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {x.device}")
+    if not cu_seqlens.is_contiguous():
+        raise ValueError("cu_seqlens must be contiguous")
+    ends = cu_seqlens[[0, -1]].tolist()
+    if ends[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {ends[0]}")
+    if ends[1] != t:
+        raise ValueError(f"cu_seqlens[-1] must equal T = x.shape[0] = {t}, got {ends[1]}")
+    return t, h, d, cu_seqlens.numel() - 1
+
+
+def _eval_expr(expr: Any, env: Mapping[str, int]) -> int:
+    """Evaluate a shape entry: an int, or an expression over T, H, D, T_pad, NUM_DOCS with
+    + - * // (and / on exact divisions). No names or calls beyond those."""
+    if isinstance(expr, bool):
+        raise ValueError(f"bad shape entry {expr!r}")
+    if isinstance(expr, int):
+        return expr
+    if not isinstance(expr, str):
+        raise ValueError(f"bad shape entry {expr!r}")
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in env:
+            return int(env[node.id])
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                return a + b
+            if isinstance(node.op, ast.Sub):
+                return a - b
+            if isinstance(node.op, ast.Mult):
+                return a * b
+            if isinstance(node.op, (ast.FloorDiv, ast.Div)):
+                if isinstance(node.op, ast.Div) and a % b:
+                    raise ValueError(f"shape expression {expr!r}: {a}/{b} is not exact")
+                return a // b
+        raise ValueError(f"shape expression {expr!r} uses something other than "
+                         f"{list(_SHAPE_NAMES)}, integers and + - * //")
+
+    return ev(ast.parse(expr, mode="eval"))
+
+
+def shape_of(shape: Sequence[Any], T: int, H: int, D: int, num_docs: int) -> tuple[int, ...]:
+    env = {"T": T, "H": H, "D": D, "T_pad": -(-T // 16) * 16, "NUM_DOCS": num_docs}
+    return tuple(_eval_expr(s, env) for s in shape)
+
+
+def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: int, num_docs: int,
+                     device: torch.device | str, poison: bool = False) -> dict[str, torch.Tensor]:
+    """Allocate every "out" and "workspace" entry of ARGS with torch.empty.
+
+    poison=True fills outputs with the byte 0xAB, so an element the kernel never writes
+    shows up in a bitwise comparison. Workspaces are zeroed (the kernel re-zeroes them).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for a in args_spec:
+        role = a.get("role")
+        if role not in ("out", "workspace"):
+            continue
+        dt = QUANT_DTYPES.get(a["dtype"])
+        if dt is None:
+            raise ValueError(f"ARGS entry {a['name']!r}: unknown dtype {a['dtype']!r}")
+        t = torch.empty(shape_of(a["shape"], T, H, D, num_docs), dtype=dt, device=device)
+        if role == "workspace":
+            t.zero_()
+        elif poison:
+            t.view(torch.uint8).fill_(0xAB)
+        out[a["name"]] = t
+    return out
+
+
+def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]], x: torch.Tensor,
+                  cu_seqlens: torch.Tensor, poison: bool = False, check: bool = True) -> dict[str, torch.Tensor]:
+    """Call a loaded quantizer `fn(*tensors)` in ARGS order on the current torch stream.
+
+    Returns {name: tensor} for every "out" (and "workspace") entry. check=False skips the
+    input checks (and their host sync on cu_seqlens).
+    """
+    if check:
+        T, H, D, nd = check_quant_inputs(x, cu_seqlens)
+    else:
+        T, H, D = (int(s) for s in x.shape)
+        nd = cu_seqlens.numel() - 1
+    outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison)
+    inputs = {"x": x, "cu_seqlens": cu_seqlens}
+    call = []
+    for a in args_spec:
+        if a.get("role") == "in":
+            if a["name"] not in inputs:
+                raise ValueError(f"ARGS input {a['name']!r} is not one the quantizer runtime provides")
+            call.append(inputs[a["name"]])
+        else:
+            call.append(outs[a["name"]])
+    fn(*call)
+    return outs
+
+
+def load_quantizer(path: str, function_name: str) -> Callable[..., Any]:
+    """Load an exported quantizer from a shared object (tvm-ffi); needs `tvm_ffi` and the
+    CuTe DSL runtime library on the loader path, not the DSL itself."""
+    import tvm_ffi  # local import: this module must import without it
+
+    mod = tvm_ffi.load_module(path)
+    return getattr(mod, function_name)

@@ -1,0 +1,91 @@
+"""`flamia-gen verify --device cuda`: run built kernels on the local GPU and compare them
+with the numerics emulator. Quantizers must be bitwise equal on every input kind.
+
+Kernels come from a bundle (`--bundle` / `$FLAMIA_GEN_BUNDLE`), so this runs on a host
+without the DSL compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.table import Table
+
+from ..spec import get_route, operand_quant
+
+
+def _operand_quant_of(entry: dict):
+    """Every route.operand a variant serves has the same representation (the plan keyed
+    it so); take the first and check the rest agree."""
+    uses = entry["uses"]
+    first = operand_quant(get_route(uses[0].split(".")[0]), uses[0].split(".")[1])
+    for u in uses[1:]:
+        r, o = u.split(".")
+        if operand_quant(get_route(r), o) != first:
+            raise ValueError(f"variant {entry['name']} serves {u}, whose representation differs from {uses[0]}")
+    return first
+
+
+def verify_quant_bundle(bundle, routes=None, *, kinds=None, seed=0, names=None) -> list[dict]:
+    from .quant_gpu import verify_quantizer
+
+    rows = []
+    for entry in bundle.manifest["variants"]:
+        if entry["kind"] != "quant" or (names and entry["name"] not in names):
+            continue
+        if routes and not any(u.split(".")[0] in routes for u in entry["uses"]):
+            continue
+        oq = _operand_quant_of(entry)
+        fn = bundle.get(entry["name"])
+        t0 = time.perf_counter()
+        kw = {"kinds": tuple(kinds)} if kinds else {}
+        try:
+            results = verify_quantizer(fn, entry["args"], oq, D=entry["params"]["head_dim"], seed=seed, **kw)
+        except Exception as e:  # a broken kernel is a failed row, not a crashed run
+            results = [{"kind": "all", "ok": False, "error": f"{type(e).__name__}: {e}"}]
+        for r in results:
+            rows.append(dict(variant=entry["name"], seconds=time.perf_counter() - t0, **r))
+    return rows
+
+
+def render_quant_table(rows: list[dict]) -> Table:
+    t = Table(title="quantizer kernels vs emulator (bitwise)")
+    for c in ("variant", "input", "ok", "mismatches", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        mism = {k: v for k, v in r.items() if k.endswith("_mismatch") and v}
+        detail = r.get("error") or r.get("first_mismatch") or ""
+        t.add_row(r["variant"], str(r.get("kind")), "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
+                  ", ".join(f"{k}={v}" for k, v in mism.items()) or "0", str(detail)[:200])
+    return t
+
+
+def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None) -> int:
+    import torch
+
+    from ..runtime.bundle import BundleError, load_bundle
+
+    if not torch.cuda.is_available():
+        if console:
+            console.print("[red]no CUDA device: verify --device cuda needs a GPU[/red]")
+        return 2
+    try:
+        bundle = load_bundle(bundle_dir)
+    except BundleError as e:
+        if console:
+            console.print(f"[red]{e}[/red]")
+        return 2
+    rows = verify_quant_bundle(bundle, routes)
+    if console:
+        console.print(render_quant_table(rows))
+    ok = all(r.get("ok") for r in rows) and bool(rows)
+    if json_out:
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),
+                    date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    bundle=str(bundle.root), arch=bundle.arch, dsl_version=bundle.manifest.get("dsl_version"))
+        Path(json_out).write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1, default=str))
+    return 0 if ok else 1

@@ -1,0 +1,115 @@
+"""run_bench end to end on the CPU with stand-in implementations."""
+
+import json
+
+import pytest
+import torch
+
+from flamia_gen.bench.flops import workload_flops
+from flamia_gen.bench.report import read_json
+from flamia_gen.bench.runner import NoCudaError, run_bench
+from flamia_gen.bench.workloads import get_workload
+
+
+def _wls():
+    return [get_workload("eq2x32", heads=2, head_dim=16),
+            get_workload("skew32+2x8", heads=2, head_dim=16)]
+
+
+def test_run_bench_cpu_rows_statuses_speedups_and_files(tmp_path, fakes):
+    impls = [fakes[n]() for n in ("cpu_exact", "cpu_slow", "flamia_cpu", "cpu_skips",
+                                  "cpu_raises", "cpu_missing", "cpu_eqonly")]
+    res = run_bench(_wls(), impls, mode="train", out_dir=tmp_path, repeats=5, warmup=1,
+                    accuracy=True, accuracy_workload="eq2x32", device="cpu", quiet=True,
+                    n_rotations=2)
+    rows = {(r.impl, r.workload): r for r in res.rows}
+    assert len(res.rows) == 7 * 2
+    exact = rows[("cpu_exact", "eq2x32")]
+    assert exact.status == "ok" and exact.timer == "cpu-perf-counter" and exact.repeats == 5
+    assert exact.flops == workload_flops(_wls()[0], "train")
+    assert exact.tflops == pytest.approx(exact.flops / (exact.median_ms * 1e-3) / 1e12)
+    assert exact.p20_ms <= exact.median_ms <= exact.p80_ms
+    assert "only 5 repeats" in exact.note
+    slow = rows[("cpu_slow", "eq2x32")]
+    assert slow.median_ms > 3.5  # its 4 ms sleep is inside the timed call
+    assert exact.speedup == pytest.approx(1.0)  # the fastest peer
+    assert slow.speedup == pytest.approx(exact.median_ms / slow.median_ms) and slow.speedup < 1
+    ours = rows[("flamia_cpu", "eq2x32")]
+    assert ours.is_peer is False and ours.speedup is not None
+    assert rows[("cpu_skips", "eq2x32")].status == "skipped"
+    assert "no engine" in rows[("cpu_skips", "eq2x32")].note
+    err = rows[("cpu_raises", "eq2x32")]
+    assert err.status == "error" and err.note == "RuntimeError: kernel exploded"
+    assert rows[("cpu_missing", "skew32+2x8")].status == "not installed"
+    assert rows[("cpu_eqonly", "skew32+2x8")].status == "skipped"
+    assert rows[("cpu_eqonly", "eq2x32")].status == "ok"
+    # accuracy columns filled on the accuracy workload's rows only
+    assert exact.o_cos > 0.999 and exact.dq_cos > 0.999
+    assert rows[("cpu_exact", "skew32+2x8")].o_cos is None
+    assert {a.impl for a in res.accuracy} == {a.name for a in impls}
+    # files
+    assert res.json_path.name == "bench_train.json"
+    doc = read_json(res.json_path)
+    assert len(doc["rows"]) == 14 and doc["metadata"]["mode"] == "train"
+    assert doc["metadata"]["workloads"][1]["num_docs"] == 3
+    assert "3.5x" in doc["metadata"]["flop_convention"]
+    assert len(doc["accuracy"]) == 7
+    text = res.table_path.read_text()
+    assert "cpu_exact" in text and "kernel exploded" in text
+    try:
+        import matplotlib  # noqa: F401
+        assert res.chart_path is not None and res.chart_path.read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert res.chart_path is None
+
+
+def test_fwd_mode_runs_without_autograd(fakes):
+    calls = []
+
+    class Probe(fakes["cpu_exact"]):
+        name = "probe"
+
+        def build(self, workload):
+            def f(q, k, v):
+                calls.append(torch.is_grad_enabled())
+                return q
+            return f
+
+    res = run_bench([_wls()[0]], [Probe()], mode="fwd", repeats=3, warmup=1, accuracy=False,
+                    device="cpu", quiet=True, n_rotations=2)
+    assert res.rows[0].status == "ok"
+    assert calls == [False] * 4
+    assert res.rows[0].flops == workload_flops(_wls()[0], "fwd")
+
+
+def test_suspect_rates_are_flagged_and_not_a_baseline(fakes):
+    impls = [fakes["cpu_exact"](), fakes["cpu_slow"]()]
+    res = run_bench([_wls()[0]], impls, repeats=3, warmup=0, accuracy=False, device="cpu",
+                    quiet=True, ceilings={"bf16": 1e-12}, n_rotations=1)
+    assert all(r.suspect and r.note.startswith("suspect") for r in res.rows)
+    assert all(r.speedup is None for r in res.rows)
+
+
+def test_bad_arguments(fakes):
+    with pytest.raises(ValueError, match="mode"):
+        run_bench("eq2x32", [fakes["cpu_exact"]()], mode="inference", device="cpu", quiet=True)
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        run_bench("nope", [fakes["cpu_exact"]()], device="cpu", quiet=True)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        run_bench("eq2x32", "fa9", device="cpu", quiet=True)
+
+
+def test_cuda_requested_without_cuda(monkeypatch, fakes):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NoCudaError, match="no CUDA device: flamia-gen bench needs a GPU"):
+        run_bench("eq2x32", [fakes["cpu_exact"]()], device="cuda", quiet=True)
+
+
+def test_builtin_peers_become_rows_not_crashes(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = run_bench([_wls()[1]], "peers", repeats=2, warmup=0, accuracy=False, device="cpu",
+                    quiet=True, out_dir=tmp_path)
+    assert len(res.rows) == 8
+    assert all(r.status in ("not installed", "unavailable") for r in res.rows)
+    doc = json.loads(res.json_path.read_text())
+    assert set(doc["metadata"]["impls"]) == {r.impl for r in res.rows}
