@@ -266,6 +266,14 @@ def _attach_optional():
         main.add_command(bench_command, "bench")
     except ImportError:
         pass
+    try:
+        from .tune.cli import freeze_command, table_command, tune_command
+
+        main.add_command(tune_command, "tune")
+        main.add_command(freeze_command, "freeze")
+        main.add_command(table_command, "table")
+    except ImportError:
+        pass
 
 
 _attach_optional()

@@ -43,40 +43,62 @@ def amax_of(x):
     return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
-_QUANT_FNS: dict[str, Any] = {}
+def quantize_many(*xs):
+    """Per-tensor E4M3 quantization of every x: ((x8, ...), scales (n,), descales (n,)).
 
-
-def _scale_cast_eager(x, scale):
+    One function for all operands so that, compiled, it is one call: the
+    amax reductions, the scale arithmetic and the scaled casts fuse, and the
+    host issues a handful of kernels instead of a dozen (at 4x4096 the
+    kernels run in 0.3 ms, so host overhead would otherwise be the cost)."""
     import torch
 
-    # bf16 times a power of two is exact, so scaling in bf16 loses nothing.
-    return (x * scale.to(x.dtype)).to(torch.float8_e4m3fn)
+    amax = torch.stack([amax_of(x) for x in xs])
+    scale = pow2_scale(amax)
+    descale = 1.0 / scale
+    # bf16 times a power of two is exact, so the scaling itself loses nothing.
+    x8 = tuple((x * scale[i].to(x.dtype)).to(torch.float8_e4m3fn) for i, x in enumerate(xs))
+    return x8, scale, descale
 
 
-def _dequant_eager(x8, descale, dtype):
-    return (x8.to(dtype) * descale.to(dtype))
+def dequant_many(x8s, descales, dtype):
+    """FP8 tensors back to ``dtype`` with their 0-dim descales (the e2e outputs)."""
+    return tuple(x.to(dtype) * d.reshape(()).to(dtype) for x, d in zip(x8s, descales))
 
 
-def _quant_fns():
-    """(scale_cast, dequant): torch.compile-fused when possible, else eager.
+def scales_from_amax(amax):
+    """(scale, descale) for delayed scaling from last call's amaxes."""
+    scale = pow2_scale(amax)
+    return scale, 1.0 / scale
 
-    In-call quantization is part of what the e2e flavour costs; fusing the
-    scale and the cast (as Transformer Engine's cast kernels do) keeps that
-    cost honest rather than inflated by extra passes."""
-    if not _QUANT_FNS:
+
+_FNS: dict[str, Any] = {}
+_EAGER = {"quantize_many": quantize_many, "dequant_many": dequant_many,
+          "scales_from_amax": scales_from_amax}
+
+
+def _fn(name: str):
+    """The torch.compile'd helper, or the eager one if compiling is impossible."""
+    if name not in _FNS:
         try:
             import torch
 
-            _QUANT_FNS["scale_cast"] = torch.compile(_scale_cast_eager, dynamic=False)
-            _QUANT_FNS["dequant"] = torch.compile(_dequant_eager, dynamic=False)
-            _QUANT_FNS["how"] = "torch.compile"
+            _FNS[name] = torch.compile(_EAGER[name], dynamic=False)
         except Exception:  # pragma: no cover - no inductor
-            _QUANT_FNS.update(scale_cast=_scale_cast_eager, dequant=_dequant_eager, how="eager")
-    return _QUANT_FNS
+            _FNS[name] = _EAGER[name]
+    return _FNS[name]
 
 
-def _fallback_to_eager():
-    _QUANT_FNS.update(scale_cast=_scale_cast_eager, dequant=_dequant_eager, how="eager")
+def _call(name: str, *args):
+    try:
+        return _fn(name)(*args)
+    except Exception:  # inductor could not build it here: eager from now on
+        _FNS[name] = _EAGER[name]
+        return _EAGER[name](*args)
+
+
+def quant_backend() -> str:
+    """'torch.compile' or 'eager': how the in-call quantization ran (for the report)."""
+    return "eager" if any(_FNS.get(n) is f for n, f in _EAGER.items()) else "torch.compile"
 
 
 class _Runner:
@@ -119,27 +141,15 @@ class _Runner:
     # -- scales ---------------------------------------------------------------
     def quantize(self, xs):
         """[(x8, scale(1,1,1,1), descale(1,1,1,1))] with scales from each x's amax."""
-        torch = self.torch
-        amax = torch.stack([amax_of(x) for x in xs])
-        scale = pow2_scale(amax)
-        descale = 1.0 / scale
-        fns = _quant_fns()
-        out = []
-        for i, x in enumerate(xs):
-            try:
-                x8 = fns["scale_cast"](x, scale[i])
-            except Exception:  # inductor could not fuse it: use eager for good
-                _fallback_to_eager()
-                x8 = _scale_cast_eager(x, scale[i])
-            out.append((x8, scale[i].view(1, 1, 1, 1), descale[i].view(1, 1, 1, 1)))
-        return out
+        x8, scale, descale = _call("quantize_many", *xs)
+        return [(x8[i], scale[i].view(1, 1, 1, 1), descale[i].view(1, 1, 1, 1))
+                for i in range(len(xs))]
 
     def update_bwd_scales(self):
         """Delayed scaling: this call's dQ/dK/dV/dP amaxes set the next call's scales."""
-        torch = self.torch
-        torch.exp2(torch.floor(torch.log2(E4M3_MAX / self.bwd_amax.clamp_min(_TINY))),
-                   out=self.bwd_scale)
-        torch.reciprocal(self.bwd_scale, out=self.bwd_descale)
+        scale, descale = _call("scales_from_amax", self.bwd_amax)
+        self.bwd_scale.copy_(scale)
+        self.bwd_descale.copy_(descale)
 
     # -- graph calls ----------------------------------------------------------
     def forward(self, qs, ks, vs):
@@ -183,14 +193,8 @@ class _Runner:
         self.backward(qs, ks, vs, descale_o, dos)
         self.update_bwd_scales()
 
-    def dequant(self, x8, descale, dtype):
-        descale = descale.reshape(())  # a (1,1,1,1) scalar would broadcast x8 to 4-D
-        fns = _quant_fns()
-        try:
-            return fns["dequant"](x8, descale, dtype)
-        except Exception:
-            _fallback_to_eager()
-            return _dequant_eager(x8, descale, dtype)
+    def dequant(self, x8s, descales, dtype):
+        return _call("dequant_many", tuple(x8s), tuple(descales), dtype)
 
     def close(self):
         try:
@@ -249,6 +253,8 @@ class CudnnFp8Adapter(Adapter):
         v = dist_version("nvidia-cudnn-frontend")
         if v:
             out["nvidia-cudnn-frontend"] = v
+        if _FNS:
+            out["in-call quantization"] = quant_backend()
         cudnn, _ = try_import("cudnn")
         if cudnn is not None:
             try:
@@ -314,16 +320,15 @@ class CudnnFp8Adapter(Adapter):
                     else:
                         qs, ks, vs = r.quantize([q, k, v])
                     descale_o = r.forward(qs, ks, vs)
-                    o = r.dequant(r.o8, descale_o, out_dtype) if e2e else r.o8
                     if not train:
-                        return o
+                        return r.dequant([r.o8], [descale_o], out_dtype) if e2e else r.o8
                     r.backward(qs, ks, vs, descale_o, dos)
-                    grads = (r.dq8, r.dk8, r.dv8)
-                    if e2e:
-                        grads = tuple(r.dequant(g, r.bwd_descale[i], out_dtype)
-                                      for i, g in enumerate(grads))
+                    outs = (r.o8, r.dq8, r.dk8, r.dv8)
+                    if e2e:  # one fused conversion of all four outputs
+                        outs = r.dequant(outs, (descale_o, *r.bwd_descale.unbind()[:3]),
+                                         out_dtype)
                     r.update_bwd_scales()  # delayed scaling for the next call
-                    return o, grads
+                    return outs
             call()  # first execution inside the guard: an engine failure is a skip
             torch.cuda.synchronize()
         except PeerSkip:

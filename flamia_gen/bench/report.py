@@ -66,7 +66,8 @@ def compute_speedups(rows: Sequence[BenchRow]) -> dict[str, float]:
             best[key] = min(best.get(key, float("inf")), r.median_ms)
     for r in rows:
         ref = best.get((r.workload, r.mode))
-        r.speedup = (ref / r.median_ms) if (ref and r.status == "ok" and r.median_ms) else None
+        ok = ref and r.status == "ok" and r.median_ms and not r.suspect
+        r.speedup = (ref / r.median_ms) if ok else None  # a suspect rate gets no ratio
     return {w: ms for (w, _m), ms in best.items()}
 
 
@@ -165,33 +166,55 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 def _status_note(status: str, note: str) -> str:
-    """The notes cell: the status first (once), then the reason."""
-    from rich.markup import escape
-
+    """A note's full text: the status first (once), then the reason."""
     if status == "ok":
-        return escape(note)
+        return note
     if note.startswith(status):
         note = note[len(status):].lstrip(": ")
-    return f"[yellow]{status}[/]: {escape(note)}" if note else f"[yellow]{status}[/]"
+    return f"{status}: {note}" if note else status
+
+
+class _Footnotes:
+    """Long notes go under the table, numbered once each, so the table stays
+    narrow enough to read (the full text is also in the JSON)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def cell(self, status: str, note: str) -> str:
+        from rich.markup import escape
+
+        if status == "ok" and not note:
+            return ""
+        full = _status_note(status, note)
+        if full not in self.texts:
+            self.texts.append(full)
+        n = self.texts.index(full) + 1
+        label = status if status != "ok" else ("suspect" if note.startswith("suspect") else "note")
+        color = "red" if label == "suspect" else "yellow"
+        return f"[{color}]{escape(label)}[/] {escape(f'[{n}]')}"
+
+    def lines(self) -> list[str]:
+        return [f"[{i}] {t}" for i, t in enumerate(self.texts, 1)]
 
 
 def build_table(rows: Sequence[BenchRow], title: str | None = None):
-    """A rich Table: one line per (workload, impl)."""
+    """(rich Table with one line per (workload, impl), footnote lines)."""
     from rich.table import Table
 
     with_cos = any(r.o_cos is not None or r.dq_cos is not None for r in rows)
     t = Table(title=title, show_lines=False, header_style="bold")
+    # Numbers never wrap or get cut ("26…" is no measurement).
     t.add_column("workload", style="cyan", no_wrap=True)
     t.add_column("impl", no_wrap=True)
-    t.add_column("prec")
-    t.add_column("ms", justify="right")
-    t.add_column("TFLOP/s", justify="right")
-    t.add_column("peak MiB", justify="right")
-    t.add_column("vs best peer", justify="right")
+    t.add_column("prec", no_wrap=True, min_width=4)
+    for c, w in (("ms", 7), ("TFLOP/s", 7), ("peak MiB", 8), ("vs peer", 7)):
+        t.add_column(c, justify="right", no_wrap=True, min_width=w)
     if with_cos:
-        t.add_column("O cos", justify="right")
-        t.add_column("dQ cos", justify="right")
-    t.add_column("notes", overflow="fold")
+        t.add_column("O cos", justify="right", no_wrap=True, min_width=6)
+        t.add_column("dQ cos", justify="right", no_wrap=True, min_width=6)
+    t.add_column("notes", no_wrap=True, min_width=8)
+    notes = _Footnotes()
     last_wl = None
     for r in rows:
         wl = r.workload if r.workload != last_wl else ""
@@ -210,21 +233,23 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
             cells = [wl, name, r.precision, "-", "-", "-", "-"]
         if with_cos:
             cells += [_fmt(r.o_cos, ".4f"), _fmt(r.dq_cos, ".4f")]
-        cells.append(_status_note(r.status, r.note))
+        cells.append(notes.cell(r.status, r.note))
         t.add_row(*cells)
-    return t
+    return t, notes.lines()
 
 
 def build_accuracy_table(results: Sequence[Any], title: str | None = None):
     from rich.table import Table
 
     t = Table(title=title, header_style="bold")
-    for c in ("impl", "workload", "O cos", "dQ cos", "O rel err", "dQ rel err", "notes"):
-        t.add_column(c, justify="right" if ("cos" in c or "err" in c) else "left")
+    for c in ("impl", "workload", "O cos", "dQ cos", "O rel err", "dQ rel err"):
+        t.add_column(c, justify="right" if ("cos" in c or "err" in c) else "left", no_wrap=True)
+    t.add_column("notes", no_wrap=True)
+    notes = _Footnotes()
     for a in results:
         t.add_row(a.impl, a.workload, _fmt(a.o_cos, ".4f"), _fmt(a.dq_cos, ".4f"),
-                  _fmt(a.o_rel, ".2e"), _fmt(a.dq_rel, ".2e"), _status_note(a.status, a.note))
-    return t
+                  _fmt(a.o_rel, ".2e"), _fmt(a.dq_rel, ".2e"), notes.cell(a.status, a.note))
+    return t, notes.lines()
 
 
 def render_tables(rows: Sequence[BenchRow], accuracy: Sequence[Any] = (), console=None,
@@ -232,11 +257,17 @@ def render_tables(rows: Sequence[BenchRow], accuracy: Sequence[Any] = (), consol
     from rich.console import Console
 
     console = console or Console()
-    console.print(build_table(rows, title=title))
+    table, notes = build_table(rows, title=title)
+    console.print(table)
+    for line in notes:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if accuracy:
         ref = next((a.reference for a in accuracy if getattr(a, "reference", "")), "")
-        console.print(build_accuracy_table(
-            accuracy, title=f"accuracy vs {ref}" if ref else "accuracy"))
+        table, notes = build_accuracy_table(
+            accuracy, title=f"accuracy vs {ref}" if ref else "accuracy")
+        console.print(table)
+        for line in notes:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def table_text(rows: Sequence[BenchRow], accuracy: Sequence[Any] = (), width: int = 160,

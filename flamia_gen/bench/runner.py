@@ -74,10 +74,10 @@ def _status_for(reason: str) -> str:
 
 
 def _free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
+    if device.startswith("cuda"):  # on the CPU there is no allocator cache to empty
         import torch
 
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -162,6 +162,8 @@ def run_bench(workloads: str | Sequence[str | Workload], impls: str | Sequence[s
         from rich.console import Console
 
         console = Console()
+        if not console.is_terminal:  # a log file or a pipe: no 80-column squeeze
+            console = Console(width=200)
 
     def log(msg: str) -> None:
         if console is not None and not quiet:

@@ -16,7 +16,7 @@ Conventions (decisions the contract leaves to this module):
 * ``saturate=False`` is the OCP non-saturating mode: E4M3 overflow / ±Inf give ``sign|0x7F``
   (NaN; torch < 2.13 casts did this, torch 2.13's CPU cast saturates instead), E5M2
   overflow / ±Inf give ``sign|0x7C`` (±Inf, as torch's cast). Rounding happens first, so
-  E4M3 values below 464 (the 448/480 tie, which rounds to even 448) do not overflow.
+  E4M3 magnitudes up to 464 (the 448/480 tie, which rounds to even 448) do not overflow.
 * NaN inputs encode to the canonical, positive NaN ``0x7F`` for E4M3 and E5M2 (the sign is
   dropped, like PTX ``cvt``; torch keeps it: ``0xFF``), in both modes.
 * E2M1 has no NaN/Inf: NaN encodes to ``0x7`` (+6, the positive MAXNORM, the CUDA
@@ -61,9 +61,14 @@ E4M3_NAN = 0x7F
 E5M2_NAN = 0x7F
 UE8M0_NAN = 0xFF
 
-# Elements processed per slice by the encoder: keeps the ~20 int32 temporaries in cache and
-# bounds peak memory for (65536, 16, 128) inputs.
-_CHUNK = 1 << 20
+# Elements processed per slice: on CPU keeps the int32 temporaries in cache and bounds peak
+# memory for (65536, 16, 128) inputs; on a GPU large slices keep kernel launches few.
+_CHUNK = 1 << 18
+_CHUNK_GPU = 1 << 26
+
+
+def _chunk(device: torch.device) -> int:
+    return _CHUNK if device.type == "cpu" else _CHUNK_GPU
 
 
 @dataclass(frozen=True)
@@ -106,32 +111,25 @@ def _as_f32(x: torch.Tensor, name: str = "x") -> torch.Tensor:
 
 
 def _encode_chunk(b: torch.Tensor, fi: FormatInfo, saturate: bool) -> torch.Tensor:
-    """b: int32 fp32 bit patterns (1-D). Returns int32 codes."""
+    """b: int32 fp32 bit patterns (1-D). Returns int32 codes.
+
+    Normal targets: RNE of the fp32 bits at bit ``23-M`` (carries into the exponent are
+    right), then rebias. Subnormal targets (``|x| < 2^emin``): ``|x| · 2^(M-emin)`` is exact
+    (a power-of-two multiply), and its RNE to an integer (``torch.round`` rounds half to even)
+    is the code; a result of ``2^M`` is the smallest normal's code, as it should be."""
     M = fi.man_bits
+    shift = 23 - M
+    emin = 1 - fi.bias
     a = b & 0x7FFFFFFF  # |x| bits
-    E = a >> 23  # biased fp32 exponent (0..255)
-    # k = target biased exponent - 1 for normals; k < 0 means a target subnormal.
-    k = E - (127 - fi.bias + 1)
-    # significand with the implicit bit (fp32 subnormals get it too: they all round to 0).
-    m = (a & 0x7FFFFF) | 0x800000
-    # right shift that leaves the target's precision: 23-M for normals, more for subnormals
-    s = (23 - M) - k.clamp(max=0)
-    s.clamp_(max=31)
-    q = m >> s
-    rem = m - (q << s)
-    half = 1 << (s - 1)  # int ** not needed: python int 1 broadcasts through the tensor op
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    q += up.to(torch.int32)
-    # code = biased exponent field << M + mantissa; for normals q carries the implicit bit
-    # (q in [2^M, 2^(M+1)]) so adding k << M gives (k+1) << M + frac, carries included.
-    code = (k.clamp_(min=0) << M) + q
-    if saturate:
-        code.clamp_(max=fi.max_code)
-    else:
-        code.clamp_(max=fi.overflow_code)
+    code = (a >> shift) & 1  # lsb of the kept mantissa: ties go to even
+    code += a
+    code += (1 << (shift - 1)) - 1 - ((127 - fi.bias) << 23)  # half-ulp - 1, rebias
+    code >>= shift
+    sub = (a.view(torch.float32) * 2.0 ** (M - emin)).round_().to(torch.int32)
+    code = torch.where(a < ((127 + emin) << 23), sub, code)
+    code.clamp_(max=fi.max_code if saturate else fi.overflow_code)
     code |= (b >> (31 - (fi.exp_bits + fi.man_bits))) & fi.sign_bit
-    code = torch.where(a > 0x7F800000, torch.full_like(code, fi.nan_code), code)
-    return code
+    return torch.where(a > 0x7F800000, fi.nan_code, code)
 
 
 def _encode(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
@@ -143,8 +141,9 @@ def _encode(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     bits = xf.reshape(-1).view(torch.int32)
     n = bits.numel()
     out = torch.empty(n, dtype=torch.uint8, device=xf.device)
-    for i in range(0, n, _CHUNK):
-        out[i:i + _CHUNK] = _encode_chunk(bits[i:i + _CHUNK], fi, saturate).to(torch.uint8)
+    step = _chunk(xf.device)
+    for i in range(0, n, step):
+        out[i:i + step] = _encode_chunk(bits[i:i + step], fi, saturate).to(torch.uint8)
     return out.reshape(shape)
 
 
@@ -183,8 +182,9 @@ def _decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     flat = codes.reshape(-1)
     n = flat.numel()
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    for i in range(0, n, _CHUNK):
-        out[i:i + _CHUNK] = _decode_chunk(flat[i:i + _CHUNK].to(torch.int32), fi)
+    step = _chunk(codes.device)
+    for i in range(0, n, step):
+        out[i:i + step] = _decode_chunk(flat[i:i + step].to(torch.int32), fi)
     return out.reshape(shape)
 
 

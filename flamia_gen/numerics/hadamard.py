@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["fwht", "hadamard_matrix", "hadamard_scale"]
 
-_CHUNK = 1 << 20  # elements per slice
+_CHUNK = 1 << 18  # elements per slice
 
 
 def hadamard_scale(d: int) -> torch.Tensor:
@@ -48,16 +48,22 @@ def fwht(y: torch.Tensor) -> torch.Tensor:
     rows = y.reshape(-1, d)
     out = torch.empty_like(rows)
     scale = hadamard_scale(d).to(y.device)
-    step = max(1, _CHUNK // d)  # rows per slice: keeps the stage temporaries in cache
+    step = max(1, (_CHUNK if y.device.type == "cpu" else _CHUNK << 8) // d)  # rows per slice
+    bufs = None
     for r0 in range(0, rows.shape[0], step):
-        z = rows[r0:r0 + step]
-        h = 1
-        while h < d:
-            v = z.view(-1, d // (2 * h), 2, h)
-            a, b = v[:, :, 0, :], v[:, :, 1, :]
-            z = torch.stack((a + b, a - b), dim=2).view(-1, d)
-            h *= 2
-        torch.mul(z, scale, out=out[r0:r0 + step])
+        src = rows[r0:r0 + step]
+        n = src.shape[0]
+        if bufs is None or bufs[0].shape[0] != n:
+            bufs = (torch.empty_like(src), torch.empty_like(src))
+        h, k = 1, 0
+        while h < d:  # stage h reads src, writes bufs[k]; ping-pong, no extra copies
+            dst = bufs[k]
+            v = src.view(n, d // (2 * h), 2, h)
+            w = dst.view(n, d // (2 * h), 2, h)
+            torch.add(v[:, :, 0, :], v[:, :, 1, :], out=w[:, :, 0, :])
+            torch.sub(v[:, :, 0, :], v[:, :, 1, :], out=w[:, :, 1, :])
+            src, k, h = dst, 1 - k, 2 * h
+        torch.mul(src, scale, out=out[r0:r0 + step])
     return out.reshape(*lead, d)
 
 

@@ -5,20 +5,24 @@ EARLIER O row and dQ row of the same document, and every row of every other docu
 dK and dV are not measured: earlier keys' gradients legitimately depend on later queries.
 A route is exact when every measured change is exactly 0 (bitwise equal rows).
 
-The change of a row is max|Δ| / max|base| over its heads and head dim (0 when bitwise equal,
-+inf when a zero row moves or a NaN appears); a probe value is the max over measured rows.
+The change of a row is ‖Δ‖ / ‖base‖ over its heads and head dim (`metrics.max_rel_change`:
+0 iff the row is bitwise equal, inf when a zero row moves); a probe value is the max over
+measured rows, and a NaN (a NaN/Inf appeared) counts as inf, never as 0.
 `*_outside_block` restricts the same-document rows to those in an earlier 32-token block than
 the perturbed token (what a token-block route like `mxfp8` must keep at exactly 0).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["ProbeRecord", "ProbeResult", "leakage_probe", "row_change", "default_positions"]
+from .metrics import max_rel_change
+
+__all__ = ["ProbeRecord", "ProbeResult", "leakage_probe", "default_positions"]
 
 OPERANDS = ("q", "k", "v", "do")
 
@@ -56,18 +60,6 @@ class ProbeResult:
         d = asdict(self)
         d["max_leak_outside_block"] = self.max_leak_outside_block
         return d
-
-
-def row_change(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """(T,) relative change per token row of (T, H, D) tensors; exactly 0 iff bitwise equal
-    (NaN in the same place counts as equal)."""
-    b, n = base.detach().to(torch.float64), new.detach().to(torch.float64)
-    same = (b == n) | (torch.isnan(b) & torch.isnan(n))
-    diff = torch.where(same, torch.zeros_like(b), (b - n).abs().nan_to_num(nan=float("inf")))
-    num = diff.flatten(1).amax(dim=1)
-    den = b.abs().nan_to_num(nan=0.0).flatten(1).amax(dim=1)
-    rel = num / torch.where(den > 0, den, torch.ones_like(den))
-    return torch.where((den == 0) & (num > 0), torch.full_like(rel, float("inf")), rel)
 
 
 def default_positions(cu_seqlens: torch.Tensor) -> list[int]:
@@ -109,8 +101,9 @@ def _run(attn_fn, q, k, v, cu, do):
     return o.detach(), dq.detach()
 
 
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(x[mask].max()) if bool(mask.any()) else 0.0
+def _change(new: torch.Tensor, base: torch.Tensor, rows: torch.Tensor) -> float:
+    c = max_rel_change(new, base, rows=rows)
+    return math.inf if math.isnan(c) else c
 
 
 def leakage_probe(attn_fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,9 +131,8 @@ def leakage_probe(attn_fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.
             inputs[op] = x
             o1, dq1 = _run(attn_fn, inputs["q"], inputs["k"], inputs["v"], cu_seqlens, inputs["do"])
             rows, rows_blk = _row_masks(cl, p, block, q.device)
-            co, cq = row_change(o0, o1), row_change(dq0, dq1)
-            records.append(ProbeRecord(op, p, _doc_of(cl, p), _masked_max(co, rows), _masked_max(cq, rows),
-                                       _masked_max(co, rows_blk), _masked_max(cq, rows_blk)))
+            records.append(ProbeRecord(op, p, _doc_of(cl, p), _change(o1, o0, rows), _change(dq1, dq0, rows),
+                                       _change(o1, o0, rows_blk), _change(dq1, dq0, rows_blk)))
     return _summarise(records, operands, pos_list, factor, block)
 
 

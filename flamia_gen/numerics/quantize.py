@@ -42,9 +42,14 @@ Decisions the contract leaves open (all documented here):
   quantizes each document's dS separately, tiles start at its first row and column).
 * ``static``: no amax and no NaN/Inf block rule: each element is ``encode(y · 2^-e)`` with
   ``satfinite`` (what the in-kernel cvt does): NaN stays NaN, ±Inf become ±fmax.
-* ``nvfp4``: Step 4′ literally, including its edge cases (see the report in the module's
-  history): a NaN element makes its block scale NaN (0x7F) so the block dequantizes to NaN;
-  an E2M1 code of a NaN element is 0x7 (formats.py).
+* ``nvfp4``: Step 4′ literally, edge cases included. A NaN element makes its block amax and
+  E4M3 block scale NaN (0x7F), so the whole block dequantizes to NaN (its E2M1 codes are 0x7,
+  formats.py). Two edge cases follow from the contract's text as written and are *not*
+  "propagate, never hide": a ±Inf element saturates its block scale to 448 (satfinite) and
+  dequantizes to ±2688·tensor_scale (finite); and a tensor whose amax is below
+  ``2688 / FLT_MAX`` (≈ 7.9e-36, e.g. all-subnormal) overflows ``enc`` to +Inf, giving
+  ``tensor_scale = 0`` and NaN codes in its all-zero blocks. Reported upstream; kept
+  bit-identical to the contract until the contract changes.
 * ``codes_t`` (``(H, D, T_pad)``, ``T_pad = ceil(T/16)·16``, zero padding) is produced by
   default (``transposed=None``) for 8-bit formats when ``x`` is 3-D ``(T, H, D)`` and the
   granularity is not ``square_32``; ``transposed=True`` demands it, ``False`` skips it.
@@ -202,17 +207,26 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127) << 23).view(torch.float32)
 
 
-def _pow2_codes(y: torch.Tensor, amax: torch.Tensor, fmt: Format, rule: ExponentRule):
-    """Steps 3-4 for blocks whose amax ``amax`` broadcasts against ``y``.
+def _pow2_codes(y: torch.Tensor, amax: torch.Tensor, fmt: Format, rule: ExponentRule,
+                ids: torch.Tensor | None = None):
+    """Steps 3-4. ``amax``: block maxima that broadcast against ``y`` (after ``amax[ids]``
+    when ``ids`` is given: the exponent math runs on the compact blocks, then expands).
 
-    Returns (codes uint8 shaped like y, scale codes uint8 shaped like amax)."""
+    Returns (codes uint8 shaped like y, scale codes uint8 shaped like ``amax[ids]``)."""
     e, zero, bad = pow2_exponent(amax, fmt, rule)
     mult = _pow2(-e)  # -e in [-120, 127]: a normal fp32 power of two, exact
-    codes = F.encode(y * mult, fmt, saturate=True)
-    codes = torch.where(zero, torch.zeros((), dtype=torch.uint8, device=y.device), codes)
-    codes = torch.where(bad, torch.full((), F.format_info(fmt).nan_code, dtype=torch.uint8,
-                                        device=y.device), codes)
     scales = torch.where(bad, torch.full_like(e, F.UE8M0_NAN), e + 127).to(torch.uint8)
+    any_zero, any_bad = bool(zero.any()), bool(bad.any())
+    if ids is not None:
+        mult, scales = mult[ids], scales[ids]
+        zero = zero[ids] if any_zero else zero
+        bad = bad[ids] if any_bad else bad
+    codes = F.encode(y * mult, fmt, saturate=True)
+    if any_zero:
+        codes = torch.where(zero, torch.zeros((), dtype=torch.uint8, device=y.device), codes)
+    if any_bad:
+        codes = torch.where(bad, torch.full((), F.format_info(fmt).nan_code, dtype=torch.uint8,
+                                            device=y.device), codes)
     return codes, scales
 
 
@@ -315,8 +329,8 @@ def quantize(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor | Non
         t = y.shape[0]
         ids, nb = token_block_ids(cu_seqlens, t, blk, y.device)
         row_amax = _abs_inf(_absmax_lastdim(y))  # (T, H), NaN → Inf
-        amax = _segment_amax(row_amax, ids, nb)[ids]  # (T, H) expanded
-        codes, scales = _pow2_codes(y, amax.unsqueeze(-1), fmt, spec.exponent_rule)
+        amax = _segment_amax(row_amax, ids, nb).unsqueeze(-1)  # (NB, H, 1)
+        codes, scales = _pow2_codes(y, amax, fmt, spec.exponent_rule, ids)  # expanded to (T, H, 1)
         scales = scales.squeeze(-1)
     elif g is Granularity.block1d_32:
         t, h, d = y.shape
@@ -329,8 +343,8 @@ def quantize(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor | Non
             codes, scales = codes.view(t, h, d), scales.squeeze(-1)
         else:
             ids, nb = token_block_ids(cu_seqlens, t, blk, y.device)
-            amax = _segment_amax(_abs_inf(y), ids, nb)[ids]  # (T, H, D) expanded
-            codes, scales = _pow2_codes(y, amax, fmt, spec.exponent_rule)
+            amax = _segment_amax(_abs_inf(y), ids, nb)  # (NB, H, D)
+            codes, scales = _pow2_codes(y, amax, fmt, spec.exponent_rule, ids)  # expanded (T, H, D)
     elif g is Granularity.square_32:
         m, n = y.shape[-2:]
         lead = y.shape[:-2]

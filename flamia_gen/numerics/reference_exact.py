@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["exact_attention", "check_inputs", "doc_ranges", "query_chunks", "visible_mask"]
+__all__ = ["exact_attention", "check_inputs", "chunk_rows", "doc_ranges", "query_chunks", "visible_mask"]
 
 
 # ---- packed-document geometry, shared with the route emulator
@@ -43,6 +43,16 @@ def doc_ranges(cu_seqlens):
     return [(a, b) for a, b in zip(cl, cl[1:]) if b > a]
 
 
+SCORE_BUDGET = 1 << 24  # elements of one (heads × rows × keys) score-sized temporary (64 MiB fp32)
+
+
+def chunk_rows(chunk, heads, length, align=1):
+    """Query rows per step: at most `chunk`, fewer when heads × rows × length would exceed
+    SCORE_BUDGET, a multiple of `align` (the query tile) and at least `align`."""
+    fit = SCORE_BUDGET // max(1, heads * length)
+    return max(align, (min(chunk, fit) // align) * align)
+
+
 def query_chunks(length, chunk):
     """[(a, b)] doc-local query row ranges of at most `chunk` rows."""
     return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
@@ -63,7 +73,7 @@ def _exact_chunk(qc, kd, vd, a, causal, scale):
     vis = visible_mask(a, qc.shape[1], kd.shape[1], causal, s.device)
     s = s.masked_fill(~vis, float("-inf"))
     empty = ~vis.any(dim=-1)  # (M,): rows with no visible key (from the mask, not the values)
-    m = s.amax(dim=-1, keepdim=True).detach()
+    m = s.amax(dim=-1, keepdim=True).detach() if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)
     m = torch.where(empty[None, :, None], torch.zeros_like(m), m)
     p = torch.exp(s - m)
     l = p.sum(dim=-1)
@@ -80,8 +90,9 @@ def exact_attention(q, k, v, cu_seqlens, causal=True, *, dtype=torch.float32, sc
     q (T, Hq, D), k/v (T, Hkv, D), Hq a multiple of Hkv (GQA: q head h reads kv head
     h // (Hq/Hkv)). Returns O (T, Hq, D) in `dtype`, and LSE (T, Hq) in natural log units when
     `return_lse` (+inf, with O = 0, for a row with no visible key). Queries are processed in
-    chunks of `chunk` rows so a long document never materialises L×L at once (autograd still
-    keeps the per-chunk probabilities for its backward).
+    chunks of at most `chunk` rows (fewer for long documents, `chunk_rows`) so a long document
+    never materialises L×L at once (autograd still keeps the per-chunk probabilities for its
+    backward: use route="bf16", whose backward is explicit and chunked, for long documents).
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -93,7 +104,7 @@ def exact_attention(q, k, v, cu_seqlens, causal=True, *, dtype=torch.float32, sc
     for s, e in doc_ranges(cu_seqlens):
         kd = kf[s:e].permute(1, 0, 2).index_select(0, heads)
         vd = vf[s:e].permute(1, 0, 2).index_select(0, heads)
-        for a, b in query_chunks(e - s, chunk):
+        for a, b in query_chunks(e - s, chunk_rows(chunk, Hq, e - s)):
             n = b if causal else e - s
             o, lse = _exact_chunk(qf[s + a:s + b].permute(1, 0, 2), kd[:, :n], vd[:, :n], a, causal, scale)
             outs.append(o.permute(1, 0, 2))

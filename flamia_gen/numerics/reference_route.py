@@ -28,7 +28,7 @@ from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
 from .quantize import pow2_exponent, quantize
-from .reference_exact import check_inputs, doc_ranges, query_chunks, visible_mask
+from .reference_exact import check_inputs, chunk_rows, doc_ranges, query_chunks, visible_mask
 
 __all__ = ["Rep", "Plan", "make_plan", "represent", "route_forward", "route_backward", "scale_exponent",
            "round_to_format"]
@@ -52,8 +52,19 @@ def scale_exponent(amax: torch.Tensor, fmt: Format, rule: ExponentRule) -> torch
     return torch.where(bad, torch.full_like(e, float("nan")), e)
 
 
+_TORCH_FP8 = {Format.e4m3: torch.float8_e4m3fn, Format.e5m2: torch.float8_e5m2}
+
+
 def round_to_format(y: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """RNE with saturation into `fmt` (PTX cvt.rn.satfinite), as fp32 values."""
+    """RNE with saturation into `fmt` (PTX cvt.rn.satfinite), as fp32 values.
+
+    Clamp-then-torch-cast for E4M3/E5M2: value-identical to `formats.encode`/`decode` (the
+    bit-exact definition; tests/numerics/test_reference.py checks ties, subnormals, NaN, Inf)
+    and far faster on the large P and dS tensors."""
+    fmt = Format(fmt)
+    if fmt in _TORCH_FP8:
+        m = formats.format_info(fmt).max
+        return y.clamp(-m, m).to(_TORCH_FP8[fmt]).to(torch.float32)
     return formats.decode(formats.encode(y, fmt, saturate=True), fmt)
 
 
@@ -149,7 +160,7 @@ class Plan:
     causal_rows_q: bool  # exact + token_block Q: per-token Q in QKᵀ
     causal_rows_do: bool  # exact + token_block dO: per-token dO in dP and D
     causal_dq: bool  # causal dQ scale: dS for dQ per (row, key tile)
-    chunk: int  # query rows per step (a multiple of tile_m)
+    chunk: int  # max query rows per step (a multiple of tile_m; fewer for long documents)
 
 
 def _needs_32(route: Route) -> bool:
@@ -253,7 +264,7 @@ def _split_matmul(w, x, x_diag, diag):
     return torch.where(diag, zero, w) @ x + torch.where(diag, w, zero) @ x_diag
 
 
-def scores_log2(plan: Plan, f: ForwardOps, qc: torch.Tensor, kd: Rep, kt: Rep | None, g: Geometry):
+def scores_log2(plan: Plan, qc: torch.Tensor, kd: Rep, kt: Rep | None, g: Geometry):
     """x = scale·log2(e)·Q̂K̂ᵀ (fp32), -inf where masked; K per key on diagonal tiles."""
     s = qc @ kd.value.transpose(-1, -2)
     if kt is not None and g.diag is not None:
@@ -265,11 +276,11 @@ def scores_log2(plan: Plan, f: ForwardOps, qc: torch.Tensor, kd: Rep, kt: Rep | 
 # ---- forward
 
 
-def _forward_chunk(plan: Plan, f: ForwardOps, qc, kd, kt, vd, vt, g: Geometry):
+def _forward_chunk(plan: Plan, qc, kd, kt, vd, vt, g: Geometry):
     """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
     V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
     power of two; the denominator l = Σ exp2(x − max x) is fp32, unquantized."""
-    x = scores_log2(plan, f, qc, kd, kt, g)
+    x = scores_log2(plan, qc, kd, kt, g)
     ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
     y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
     empty = g.empty[None, :]
@@ -297,10 +308,10 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
         qd, kd, vd = f.qs.doc(s, e, qheads), f.ks.doc(s, e, heads), f.v.doc(s, e, heads)
         kt = f.ks_tok.doc(s, e, heads) if f.ks_tok else None
         vt = f.v_tok.doc(s, e, heads) if f.v_tok else None
-        for a, b in query_chunks(e - s, plan.chunk):
+        for a, b in query_chunks(e - s, chunk_rows(plan.chunk, Hq, e - s, plan.tile_m)):
             n = b if causal else e - s
             g = geometry(plan, a, b, n, e - s, q.device)
-            oc, lc = _forward_chunk(plan, f, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n),
+            oc, lc = _forward_chunk(plan, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n),
                                     _cut(vt, n), g)
             o[s + a:s + b] = oc.transpose(0, 1)
             lse[s + a:s + b] = lc.transpose(0, 1)
@@ -320,9 +331,9 @@ class _ChunkGrad:
     p: torch.Tensor  # (H, M, N) P = exp2(x − LSE₂)
 
 
-def _grad_chunk(plan: Plan, bo: BackwardOps, qc, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
+def _grad_chunk(plan: Plan, qc, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
     """Recompute P from the forward's operands and decisions; dS = P ∘ (dO·V̂ᵀ − D)."""
-    x = scores_log2(plan, bo.fwd, qc, kd, kt, g)
+    x = scores_log2(plan, qc, kd, kt, g)
     p = torch.exp2(x - lse2[..., None])
     dp = do_r @ vd.value.transpose(-1, -2)
     if vt is not None and g.diag is not None:
@@ -407,10 +418,10 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax):
         kqt = bo.kq_tok.doc(s, e, heads) if bo.kq_tok else None
         qk = bo.qk.doc(s, e, qh)
         od, ld = o32[s:e].transpose(0, 1), lse2[s:e].transpose(0, 1)
-        for a, b in query_chunks(L, plan.chunk):
+        for a, b in query_chunks(L, chunk_rows(plan.chunk, Hq, L, plan.tile_m)):
             n = b if plan.causal else L
             g = geometry(plan, a, b, n, L, dev)
-            cg = _grad_chunk(plan, bo, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
+            cg = _grad_chunk(plan, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
                              do_r.value[:, a:b], od[:, a:b], ld[:, a:b], g)
             ds_q, ds_k = _folds(plan, cg, _cut(kq, n), _cut(kqt, n), qk.exp[:, a:b], g)
             if amax_only:

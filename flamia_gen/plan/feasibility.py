@@ -61,6 +61,10 @@ def attn_smem_bytes(params: dict, elem_bytes: int) -> int:
 def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     d, m, n = params["head_dim"], params["tile_m"], params["tile_n"]
     wg = params["compute_warpgroups"]
+    blocked = [o for o in ("q", "k", "v", "do", "ds") if params.get(f"{o}_gran") in ("token_block", "square_32")]
+    if blocked and (m % 32 or n % 32):
+        # a 32-token scale block straddling two tiles breaks the diagonal-tile safeguards
+        return False, f"tile {m}×{n}: {blocked} use 32-token blocks, so tiles must be multiples of 32"
     if m != WGMMA_M * wg:
         return False, f"tile_m={m} must be 64 × compute_warpgroups ({wg}): each warpgroup owns 64 rows"
     if arch is Arch.sm90 and elem_bytes == 1 and n % 32:

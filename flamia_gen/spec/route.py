@@ -41,7 +41,9 @@ class OperandQuant(BaseModel):
     exponent_rule: ExponentRule = ExponentRule.ceil
     block: int = Field(32, description="tokens (token_block), elements (block1d) or side (square)")
     hadamard: bool = False
-    static_exponent: int = Field(0, ge=-126, le=127, description="granularity=static: scale is 2**static_exponent")
+    static_exponent: int = Field(0, ge=-126, le=127,
+                                 description="granularity=static: headroom exponent; codes = encode(x · 2**static_exponent), "
+                                             "i.e. the scale is 2**-static_exponent (P̂ in [0, 1] × 2^8 for E4M3)")
 
     @model_validator(mode="after")
     def _format_matches_granularity(self) -> "OperandQuant":

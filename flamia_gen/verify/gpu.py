@@ -52,6 +52,35 @@ def verify_quant_bundle(bundle, routes=None, *, kinds=None, seed=0, names=None) 
     return rows
 
 
+def verify_attn_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]:
+    from .attn_gpu import verify_attn_entry
+
+    rows = []
+    for entry in bundle.manifest["variants"]:
+        if entry["kind"] != "attn_fwd" or (names and entry["name"] not in names):
+            continue
+        if routes and entry["uses"][0] not in routes:
+            continue
+        try:
+            rows += verify_attn_entry(bundle, entry, seed=seed)
+        except Exception as e:  # a broken kernel is a failed row, not a crashed run
+            rows.append(dict(variant=entry["name"], kind="all", ok=False, error=f"{type(e).__name__}: {e}"[:300]))
+    return rows
+
+
+def render_attn_table(rows: list[dict]) -> Table:
+    t = Table(title="attention forward kernels vs emulator and fp32")
+    for c in ("variant", "input", "ok", "cos emu", "cos fp32", "lse err", "NaN", "probe", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        probe = "" if "probe_max_rel_change" not in r else f"{r['probe_max_rel_change']:.2e}"
+        t.add_row(r["variant"], str(r.get("kind")), "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
+                  f"{r.get('cos_emulator', float('nan')):.6f}", f"{r.get('cos_fp32', float('nan')):.6f}",
+                  f"{r.get('lse_max_abs_err', float('nan')):.1e}", str(r.get("nan", "")), probe,
+                  str(r.get("error", ""))[:200])
+    return t
+
+
 def render_quant_table(rows: list[dict]) -> Table:
     t = Table(title="quantizer kernels vs emulator (bitwise)")
     for c in ("variant", "input", "ok", "mismatches", "detail"):
@@ -79,9 +108,15 @@ def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None) ->
         if console:
             console.print(f"[red]{e}[/red]")
         return 2
-    rows = verify_quant_bundle(bundle, routes)
+    kinds = {v["kind"] for v in bundle.manifest["variants"]}
+    rows = verify_quant_bundle(bundle, routes) if "quant" in kinds else []
+    attn_rows = verify_attn_bundle(bundle, routes) if "attn_fwd" in kinds else []
     if console:
-        console.print(render_quant_table(rows))
+        if rows:
+            console.print(render_quant_table(rows))
+        if attn_rows:
+            console.print(render_attn_table(attn_rows))
+    rows = rows + attn_rows
     ok = all(r.get("ok") for r in rows) and bool(rows)
     if json_out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flamia_gen.bench import cudnn_fp8_graph as cg
-from flamia_gen.bench.peer_cudnn_fp8 import (CudnnFp8Adapter, _dequant_eager, _scale_cast_eager,
-                                             amax_of, pow2_scale)
+from flamia_gen.bench.peer_cudnn_fp8 import (CudnnFp8Adapter, amax_of, dequant_many, pow2_scale,
+                                             quantize_many, scales_from_amax)
 
 
 class FakeTensor:
@@ -162,12 +162,16 @@ def test_pow2_scales():
 
 def test_quantize_round_trip_is_exact_for_representable_values():
     x = torch.tensor([-3.0, 2.0, 0.5, 1.25, 0.0], dtype=torch.bfloat16)
-    scale = pow2_scale(amax_of(x))  # 128
-    x8 = _scale_cast_eager(x, scale)
-    assert x8.dtype == torch.float8_e4m3fn
-    back = _dequant_eager(x8, (1.0 / scale).reshape(()), torch.bfloat16)
-    assert back.dtype == torch.bfloat16 and back.shape == x.shape
-    assert torch.equal(back, x)
+    y = torch.tensor([[960.0, -0.125]], dtype=torch.bfloat16)  # 960 * 0.25 = 240, an E4M3 value
+    (x8, y8), scale, descale = quantize_many(x, y)
+    assert scale.tolist() == [128.0, 0.25] and descale.tolist() == [1 / 128, 4.0]
+    assert x8.dtype == torch.float8_e4m3fn and y8.shape == y.shape
+    assert x8.float().abs().max() == 384.0  # 3 * 128: no saturation
+    back_x, back_y = dequant_many((x8, y8), descale.unbind(), torch.bfloat16)
+    assert back_x.dtype == torch.bfloat16 and back_x.shape == x.shape
+    assert torch.equal(back_x, x) and torch.equal(back_y, y)
+    s, d = scales_from_amax(torch.tensor([1.0, 100.0]))
+    assert s.tolist() == [256.0, 4.0] and d.tolist() == [1 / 256, 0.25]
 
 
 def test_flavours_and_names():

@@ -1,0 +1,167 @@
+"""Host side of the sm90 attention forward (`templates/sm90/attn_fwd.py.j2`).
+
+Needs only torch (no CuTe DSL): builds the longest-first work list on the device with torch
+ops (no host synchronisation, so a call is CUDA-graph capturable), checks inputs cheaply,
+allocates the outputs and calls the ahead-of-time compiled tvm-ffi function.
+
+Work list: one row (doc, m_block, 0) per document-local query tile, sorted by descending
+work (key tiles the tile visits), padded with (-1, -1, -1) to the static bound
+NUM_WORK = ceil(T / tile_m) + NUM_DOCS (Σ_d ceil(len_d / tile_m) never exceeds it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_FP8_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def num_work(T: int, num_docs: int, tile_m: int) -> int:
+    """Static upper bound on the number of (document, query tile) items."""
+    return -(-T // tile_m) + num_docs
+
+
+def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
+                   tile_n: int | None = None) -> torch.Tensor:
+    """int32 (NUM_WORK, 3) work list (doc, m_block, 0), longest first, on cu_seqlens' device.
+
+    `T` (the total token count, known from the tensors' shapes) sizes the list without reading
+    cu_seqlens back; left out, it is read from cu_seqlens[-1] (a host sync on a GPU).
+    Work of an item = key tiles of `tile_n` (default tile_m) it visits; ties keep (doc, m_block)
+    order. Padding entries (-1, -1, -1) come last."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be 1-D with at least 2 entries (num_docs + 1)")
+    if tile_m <= 0:
+        raise ValueError(f"tile_m must be positive, got {tile_m}")
+    tile_n = tile_m if tile_n is None else tile_n
+    dev = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    if T is None:
+        T = int(cu[-1].item())
+    nd = cu.numel() - 1
+    nw = num_work(T, nd, tile_m)
+    lens = (cu[1:] - cu[:-1]).clamp(min=0)
+    tiles = (lens + tile_m - 1) // tile_m
+    ends = torch.cumsum(tiles, 0)
+    starts = ends - tiles
+    idx = torch.arange(nw, device=dev, dtype=torch.int64)
+    doc = torch.searchsorted(ends, idx, right=True)
+    valid = doc < nd
+    docc = doc.clamp(max=nd - 1)
+    m_block = idx - starts[docc]
+    dlen = lens[docc]
+    keys = torch.minimum(dlen, (m_block + 1) * tile_m) if causal else dlen
+    cost = torch.where(valid, (keys + tile_n - 1) // tile_n, torch.full_like(keys, -1))
+    order = torch.sort(cost, descending=True, stable=True).indices
+    neg = torch.full_like(idx, -1)
+    work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, m_block, neg),
+                        torch.where(valid, torch.zeros_like(idx), neg)], dim=1)
+    return work[order].to(torch.int32).contiguous()
+
+
+def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """uint8 codes are viewed (no copy) as float8_e4m3fn, the dtype the kernel was compiled for."""
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
+    return any(a["name"] == "v_t" for a in args_spec)
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+def _check_tensor(t, name: str, dtypes, ndim: int, device) -> None:
+    _need(isinstance(t, torch.Tensor), name, f"expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype in dtypes, name, f"dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
+    _need(t.dim() == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    _need(t.is_contiguous(), name, "must be contiguous")
+    _need(t.device == device, name, f"on {t.device}, expected {device} (the device of q)")
+
+
+def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_seqlens,
+                     fp8: bool, head_dim: int | None = None) -> tuple[int, int, int, int]:
+    """Validate the forward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
+    argument. fp8: q, k codes (T, H, D) uint8/float8_e4m3fn, v = v_t codes (HKV, D, T_PAD),
+    scales uint8 (T, H); bf16: q, k, v BF16 (T, H, D). cu_seqlens values are checked only on
+    the CPU (checking them on a GPU would synchronise)."""
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
+    _check_tensor(q, "q", code, 3, dev)
+    T, HQ, D = q.shape
+    _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim on sm90: D={D} (supported: {SUPPORTED_HEAD_DIMS})")
+    if head_dim is not None:
+        _need(D == head_dim, "q", f"head dim {D} != {head_dim}, the head dim this kernel was compiled for")
+    _check_tensor(k, "k", code, 3, dev)
+    _need(k.shape[0] == T and k.shape[2] == D, "k", f"shape {tuple(k.shape)} does not match q (T={T}, D={D})")
+    HKV = k.shape[1]
+    _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
+    if fp8:
+        _check_tensor(v, "v_t", code, 3, dev)
+        _need(v.shape[0] == HKV and v.shape[1] == D, "v_t", f"shape {tuple(v.shape)}, expected (HKV={HKV}, D={D}, T_PAD)")
+        _need(v.shape[2] >= T and v.shape[2] % 16 == 0, "v_t",
+              f"T_PAD={v.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
+        for t, name, h in ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV)):
+            _check_tensor(t, name, (torch.uint8,), 2, dev)
+            _need(tuple(t.shape) == (T, h), name, f"shape {tuple(t.shape)}, expected (T={T}, {h})")
+    else:
+        _check_tensor(v, "v", code, 3, dev)
+        _need(tuple(v.shape) == (T, HKV, D), "v", f"shape {tuple(v.shape)}, expected {(T, HKV, D)}")
+        for t, name in ((q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")):
+            _need(t is None, name, "the bf16 route takes no scales")
+    _check_tensor(cu_seqlens, "cu_seqlens", (torch.int32,), 1, dev)
+    _need(cu_seqlens.numel() >= 2, "cu_seqlens", "needs num_docs + 1 ≥ 2 entries")
+    _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
+    if cu_seqlens.device.type == "cpu":
+        c = cu_seqlens
+        _need(int(c[0]) == 0, "cu_seqlens", f"cu_seqlens[0] = {int(c[0])}, expected 0")
+        _need(int(c[-1]) == T, "cu_seqlens", f"cu_seqlens[-1] = {int(c[-1])}, expected T = {T}")
+        _need(bool((c[1:] >= c[:-1]).all()), "cu_seqlens", "must be non-decreasing")
+    return T, HQ, HKV, D
+
+
+def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
+                 cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
+                 work: torch.Tensor | None = None):
+    """Call a compiled attention forward; returns (o BF16 (T, HQ, D), lse fp32 (HQ, T)).
+
+    `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS (tile_m,
+    tile_n, causal, head_dim). fp8 routes: q, k codes, v = v_t codes (HKV, D, T_PAD) and the
+    three uint8 scale tensors; bf16: q, k, v. `poison` fills the outputs with NaN first, so a
+    row the kernel never writes shows up. `work` overrides the work list (tests)."""
+    fp8 = _is_fp8_spec(args_spec)
+    T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
+                                     head_dim=params.get("head_dim"))
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    dev = q.device
+    if poison:
+        o = torch.full((T, HQ, D), float("nan"), dtype=torch.bfloat16, device=dev)
+        lse = torch.full((HQ, T), float("nan"), dtype=torch.float32, device=dev)
+    else:
+        o = torch.empty((T, HQ, D), dtype=torch.bfloat16, device=dev)
+        lse = torch.empty((HQ, T), dtype=torch.float32, device=dev)
+    if T == 0:
+        return o, lse
+    if work is None:
+        work = make_work_list(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
+    by_name = {"cu_seqlens": cu_seqlens, "work": work, "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
+    if fp8:
+        by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
+                       v_scale=v_scale)
+    else:
+        by_name.update(q=q, k=k, v=v)
+    missing = [a["name"] for a in args_spec if a["name"] not in by_name]
+    if missing:
+        raise ValueError(f"args_spec names arguments this wrapper does not know: {missing}")
+    fn(*[by_name[a["name"]] for a in args_spec])
+    return o, lse
+
+
+__all__ = ["make_work_list", "num_work", "check_fwd_inputs", "run_attn_fwd", "SUPPORTED_HEAD_DIMS"]

@@ -1,0 +1,143 @@
+"""GPU side of tuning: device info, CUDA-event timing, and one hook per kernel kind.
+
+Importing this module touches no GPU (torch is imported inside the functions); only
+calling them does. A hook answers two questions for a bundle entry:
+
+    hook.verify(bundle, entry, device) -> (ok, reason)        once per variant and process
+    hook.time(bundle, entry, workload, device, warmup, repeats) -> [ms, ...]
+
+Quantizer (`QuantHook`): verified bitwise against the emulator on several input kinds
+(`flamia_gen.verify.quant_gpu.verify_quantizer`); timed on the bucket's representative
+workload `x: (T, H, D)` BF16 with its `cu_seqlens`: outputs preallocated, warm-up, then
+CUDA events around every call, inputs rotated over enough copies that L2 cannot hold
+them (DESIGN §5). The forward attention gets its hook when its runtime exists.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Callable
+
+
+def cuda_driver_version() -> str | None:
+    """`12.8`-style driver version from libcuda, or None without a driver."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        v = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value:
+            return f"{v.value // 1000}.{(v.value % 1000) // 10}"
+    return None
+
+
+def gpu_info(device: int = 0) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: timing needs a GPU (use --runner fake for a dry run)")
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "cuda_driver": cuda_driver_version(), "cuda_runtime": torch.version.cuda,
+            "capability": f"{props.major}.{props.minor}", "device": int(device)}
+
+
+def l2_bytes(device: int = 0) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
+
+
+def time_cuda(calls: list[Callable[[], object]], *, warmup: int = 5, repeats: int = 30) -> list[float]:
+    """CUDA events around each call (rotating over `calls`), after `warmup` calls; one
+    synchronize at the end. Milliseconds per call."""
+    import torch
+
+    n = len(calls)
+    for i in range(warmup):
+        calls[i % n]()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for i, (a, b) in enumerate(events):
+        a.record()
+        calls[i % n]()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events]
+
+
+def _operand_quant(entry: dict):
+    from ..spec import get_route, operand_quant
+
+    uses = entry["uses"]
+    r, o = uses[0].split(".")
+    first = operand_quant(get_route(r), o)
+    for u in uses[1:]:
+        r, o = u.split(".")
+        if operand_quant(get_route(r), o) != first:
+            raise ValueError(f"{entry['name']} serves {u}, whose representation differs from {uses[0]}")
+    return first
+
+
+class QuantHook:
+    kind = "quant"
+    VERIFY_KINDS = ("random", "outlier", "tiny_docs", "zeros_block")
+
+    def __init__(self, verify_fn: Callable | None = None):
+        self.verify_fn = verify_fn
+
+    def verify(self, bundle, entry: dict, device: int) -> tuple[bool, str]:
+        import torch
+
+        try:
+            with torch.cuda.device(device):
+                fn = bundle.get(entry["name"])
+                if self.verify_fn is not None:
+                    return self.verify_fn(fn, entry)
+                from ..verify.quant_gpu import verify_quantizer
+
+                rows = verify_quantizer(fn, entry["args"], _operand_quant(entry), kinds=self.VERIFY_KINDS,
+                                        D=entry["params"]["head_dim"])
+        except Exception as e:  # a kernel that crashes fails verification, it does not stop the study
+            return False, f"{type(e).__name__}: {e}"[:300]
+        bad = [r for r in rows if not r.get("ok")]
+        if not bad:
+            return True, ""
+        r = bad[0]
+        detail = r.get("error") or f"{r.get('mismatches')} mismatches, first at {r.get('first')}"
+        return False, f"{r.get('field')} on input {r.get('kind')!r}: {detail} ({len(bad)} failing field(s))"
+
+    def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
+        import torch
+
+        from ..runtime.quant import allocate_outputs, check_quant_inputs
+
+        dev = torch.device("cuda", device)
+        with torch.cuda.device(device):
+            fn = bundle.get(entry["name"])
+            T, H, D = workload.tokens, workload.heads, entry["params"]["head_dim"]
+            cu = torch.tensor(workload.cu_seqlens(), dtype=torch.int32, device=dev)
+            x_bytes = T * H * D * 2
+            copies = max(1, min(8, math.ceil(2 * l2_bytes(device) / max(1, x_bytes))))
+            g = torch.Generator(device=dev).manual_seed(0)
+            calls = []
+            for _ in range(copies):
+                x = torch.randn(T, H, D, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
+                check_quant_inputs(x, cu)
+                outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, dev)
+                inputs = {"x": x, "cu_seqlens": cu}
+                args = [inputs[a["name"]] if a.get("role") == "in" else outs[a["name"]] for a in entry["args"]]
+                calls.append(lambda args=args: fn(*args))
+            return time_cuda(calls, warmup=warmup, repeats=repeats)
+
+
+def default_hooks() -> dict:
+    return {"quant": QuantHook()}
+
+
+KIND_HOOKS = ("quant",)
+
+__all__ = ["cuda_driver_version", "gpu_info", "l2_bytes", "time_cuda", "QuantHook", "default_hooks", "KIND_HOOKS"]

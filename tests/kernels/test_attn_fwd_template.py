@@ -1,0 +1,239 @@
+"""The sm90 attention forward template (templates/sm90/attn_fwd.py.j2) and its host wrapper.
+
+CPU only: rendering, the work list, input checks; `compile` tests cross-compile a real
+fp8_token variant for sm_90a through the build worker in a subprocess and check the PTX for
+FP8 wgmma.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import render_variant
+from flamia_gen.runtime.attn_fwd import check_fwd_inputs, make_work_list, num_work, run_attn_fwd
+from flamia_gen.spec import load_specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _attn_variants():
+    plan = make_plan(load_specs())
+    return [v for v in plan.variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
+
+
+VARIANTS = _attn_variants()
+
+
+def _literals(src: str) -> dict:
+    out = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("NAME", "ARCH", "PARAMS", "ARGS"):
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+# ----------------------------------------------------------------------------- render
+def test_spec_has_four_compilable_variants():
+    names = {v.name for v in VARIANTS}
+    assert len(names) >= 4
+    assert any(v.route == "fp8_token" for v in VARIANTS) and any(v.route == "bf16" for v in VARIANTS)
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_render_deterministic_and_parses(v):
+    a, b = render_variant(v), render_variant(v)
+    assert a == b
+    ast.parse(a)
+    lit = _literals(a)
+    assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
+    assert lit["PARAMS"]["tile_n"] == v.param("tile_n")
+    names = [x["name"] for x in lit["ARGS"]]
+    tail = ["cu_seqlens", "work", "softmax_scale", "o", "lse"]
+    if v.route == "fp8_token":
+        assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + tail
+        assert "QGMMA" not in a  # sanity: the source is DSL, not SASS
+    else:
+        assert names == ["q", "k", "v"] + tail
+    for x in lit["ARGS"]:
+        assert set(x) == {"name", "dtype", "shape", "role"}
+    for tok in ("def load(", "def mma(", "def softmax(", "def epilogue(", "def can_implement(",
+                "def _setup_attributes(", "def compile_args("):
+        assert tok in a
+
+
+def test_render_variants_differ_where_they_should():
+    src = {v.name: render_variant(v) for v in VARIANTS}
+    ovl = [n for n in src if "_ovl_" in n]
+    plain = [n for n in src if "_ovl_" not in n]
+    assert ovl and plain
+    assert all("def overlap_tile(" in src[n] for n in ovl)
+    assert not any("def overlap_tile(" in src[n] for n in plain)
+    for n, s in src.items():
+        assert ("key > row0" in s) == (not n.endswith("_noncausal"))
+
+
+# ----------------------------------------------------------------------------- work list
+def test_work_list_order_padding_and_counts():
+    cu = torch.tensor([0, 5, 5, 300, 301], dtype=torch.int32)  # lengths 5, 0, 295, 1
+    w = make_work_list(cu, 128, causal=True)
+    assert w.dtype == torch.int32 and w.shape == (num_work(301, 4, 128), 3) == (7, 3)
+    assert w.tolist() == [[2, 2, 0], [2, 1, 0], [0, 0, 0], [2, 0, 0], [3, 0, 0], [-1, -1, -1], [-1, -1, -1]]
+    w2 = make_work_list(cu, 128, causal=False, T=301)
+    # non-causal: every tile of a document does the same work; ties keep (doc, m_block) order
+    assert w2.tolist()[:5] == [[2, 0, 0], [2, 1, 0], [2, 2, 0], [0, 0, 0], [3, 0, 0]]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_work_list_covers_every_tile_once(causal):
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 700, (23,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)]).to(torch.int32)
+    T = int(cu[-1])
+    tile_m, tile_n = 128, 192
+    w = make_work_list(cu, tile_m, causal, T=T, tile_n=tile_n)
+    assert w.shape[0] == -(-T // tile_m) + 23
+    real = w[w[:, 0] >= 0]
+    expect = {(d, m) for d in range(23) for m in range(-(-int(lens[d]) // tile_m))}
+    assert {tuple(r[:2]) for r in real.tolist()} == expect and len(real) == len(expect)
+    assert (w[len(real):] == -1).all()  # padding last
+    keys = [min(int(lens[d]), (m + 1) * tile_m) if causal else int(lens[d]) for d, m, _ in real.tolist()]
+    cost = [-(-k // tile_n) for k in keys]
+    assert cost == sorted(cost, reverse=True)
+
+
+def test_work_list_many_tiny_documents():
+    cu = torch.arange(0, 1001, dtype=torch.int32)  # 1000 documents of one token
+    w = make_work_list(cu, 128, True)
+    assert w.shape[0] == 8 + 1000
+    assert (w[:1000, 1] == 0).all() and (w[1000:] == -1).all()
+    assert sorted(w[:1000, 0].tolist()) == list(range(1000))
+
+
+# ----------------------------------------------------------------------------- input checks
+def _fp8_inputs(T=40, HQ=4, HKV=2, D=128):
+    tpad = -(-T // 16) * 16
+    return dict(q=torch.zeros(T, HQ, D, dtype=torch.uint8), k=torch.zeros(T, HKV, D, dtype=torch.uint8),
+                v=torch.zeros(HKV, D, tpad, dtype=torch.uint8), q_scale=torch.zeros(T, HQ, dtype=torch.uint8),
+                k_scale=torch.zeros(T, HKV, dtype=torch.uint8), v_scale=torch.zeros(T, HKV, dtype=torch.uint8),
+                cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
+
+
+def _bf16_inputs(T=40, HQ=4, HKV=2, D=128):
+    return dict(q=torch.zeros(T, HQ, D, dtype=torch.bfloat16), k=torch.zeros(T, HKV, D, dtype=torch.bfloat16),
+                v=torch.zeros(T, HKV, D, dtype=torch.bfloat16), cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
+
+
+def test_check_inputs_ok():
+    assert check_fwd_inputs(**_fp8_inputs(), fp8=True, head_dim=128) == (40, 4, 2, 128)
+    assert check_fwd_inputs(**_bf16_inputs(), fp8=False) == (40, 4, 2, 128)
+    x = _fp8_inputs()
+    x["q"] = x["q"].view(torch.float8_e4m3fn)
+    check_fwd_inputs(**x, fp8=True)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x: x.update(q=x["q"].to(torch.int32)), "q: dtype"),
+    (lambda x: x.update(q=torch.zeros(40, 4, 96, dtype=torch.uint8)), "unsupported head dim on sm90"),
+    (lambda x: x.update(k=torch.zeros(40, 3, 128, dtype=torch.uint8)), "k: HQ=4 is not a multiple of HKV=3"),
+    (lambda x: x.update(v=torch.zeros(2, 128, 40, dtype=torch.uint8)), "v_t: T_PAD=40"),
+    (lambda x: x.update(k_scale=torch.zeros(40, 4, dtype=torch.uint8)), "k_scale: shape"),
+    (lambda x: x.update(v_scale=torch.zeros(40, 2, dtype=torch.int8)), "v_scale: dtype"),
+    (lambda x: x.update(q=torch.zeros(4, 40, 128, dtype=torch.uint8).transpose(0, 1)), "q: must be contiguous"),
+    (lambda x: x.update(cu_seqlens=torch.tensor([0, 10, 40], dtype=torch.int64)), "cu_seqlens: dtype"),
+    (lambda x: x.update(cu_seqlens=torch.tensor([0, 30, 20, 40], dtype=torch.int32)), "non-decreasing"),
+    (lambda x: x.update(cu_seqlens=torch.tensor([0, 10, 39], dtype=torch.int32)), r"cu_seqlens\[-1\]"),
+])
+def test_check_inputs_errors(mutate, match):
+    x = _fp8_inputs()
+    mutate(x)
+    with pytest.raises(ValueError, match=match):
+        check_fwd_inputs(**x, fp8=True)
+
+
+def test_check_inputs_head_dim_mismatch_and_bf16_scales():
+    with pytest.raises(ValueError, match="compiled for"):
+        check_fwd_inputs(**_fp8_inputs(D=64), fp8=True, head_dim=128)
+    with pytest.raises(ValueError, match="q_scale: the bf16 route takes no scales"):
+        check_fwd_inputs(**_bf16_inputs(), q_scale=torch.zeros(40, 4, dtype=torch.uint8), fp8=False)
+
+
+def test_run_attn_fwd_calls_in_args_order():
+    """A fake tvm-ffi function records what the wrapper passes, in ARGS order."""
+    v = next(v for v in VARIANTS if v.route == "fp8_token")
+    lit = _literals(render_variant(v))
+    seen = []
+
+    def fake(*args):
+        seen.extend(args)
+
+    x = _fp8_inputs()
+    o, lse = run_attn_fwd(fake, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"], x["v_scale"],
+                          cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], poison=True)
+    assert [a["name"] for a in lit["ARGS"]] == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale", "cu_seqlens",
+                                                "work", "softmax_scale", "o", "lse"]
+    assert seen[0].dtype == torch.float8_e4m3fn and seen[4].dtype == torch.float8_e4m3fn
+    assert seen[7].shape == (num_work(40, 2, lit["PARAMS"]["tile_m"]), 3)
+    assert seen[8] == pytest.approx(128 ** -0.5)
+    assert seen[9] is o and seen[10] is lse
+    assert o.shape == (40, 4, 128) and o.dtype == torch.bfloat16 and torch.isnan(o.float()).all()
+    assert lse.shape == (4, 40) and lse.dtype == torch.float32
+
+
+def test_runtime_imports_without_dsl():
+    code = "import sys; sys.modules['cutlass'] = None; import flamia_gen.runtime.attn_fwd; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ----------------------------------------------------------------------------- compile
+def _dsl_available() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _compile_variant(v, tmp_path: Path) -> str:
+    src = tmp_path / f"{v.name}.py"
+    src.write_text(render_variant(v))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
+                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert (tmp_path / f"{v.name}.o").stat().st_size > 0
+    return "".join(Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+def test_compile_fp8_token_variant(tmp_path):
+    v = next(v for v in VARIANTS if v.route == "fp8_token" and "_ovl_" in v.name and not v.name.endswith("_noncausal"))
+    ptx = _compile_variant(v, tmp_path)
+    n = v.param("tile_n")
+    assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ptx  # QKᵀ
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # PV, P from registers
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+def test_compile_bf16_variant(tmp_path):
+    v = next(v for v in VARIANTS if v.route == "bf16" and "_ovl_" not in v.name)
+    ptx = _compile_variant(v, tmp_path)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx

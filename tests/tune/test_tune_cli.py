@@ -1,0 +1,126 @@
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from flamia_gen.tune import cli as tcli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    monkeypatch.setattr(tcli, "console", Console(width=250))
+    monkeypatch.setenv("FLAMIA_GEN_TUNING_DB", str(tmp_path / "db"))
+
+    @click.group()
+    def main():
+        pass
+
+    for c in (tcli.tune_command, tcli.freeze_command, tcli.table_command):
+        main.add_command(c)
+    r = CliRunner()
+    return lambda *a: r.invoke(main, list(a), catch_exceptions=False)
+
+
+FAKE = ("--arch", "sm90", "--runner", "fake", "--route", "mxfp8", "--head-dim", "128", "--workloads", "4x1024,1x65536")
+
+
+@pytest.mark.parametrize("cmd", [["tune"], ["freeze"], ["table"], ["table", "show"], ["table", "check"],
+                                 ["table", "untuned"]])
+def test_help(run, cmd):
+    res = run(*cmd, "--help")
+    assert res.exit_code == 0 and "Usage:" in res.output
+
+
+def test_tune_resume_freeze_show(run, tmp_path):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    res = run("tune", *FAKE, "--storage", url, "--trials", "2", "--fake-fail", "*_t32_*")
+    assert res.exit_code == 0, res.output
+    assert "0/4 trials already done" in res.output and "freeze with" in res.output
+    res = run("tune", *FAKE, "--storage", url)  # resume: budget 3 counts the 2 done
+    assert res.exit_code == 0 and "4/6 trials already done" in res.output
+    res = run("freeze", "--arch", "sm90", "--storage", url)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "db" / "sm90-fake-gpu.json"
+    assert out.exists() and "2 entries, 6 trials" in res.output
+    t = json.loads(out.read_text())
+    for e in t["entries"].values():
+        assert not e["winner"]["variant"].endswith("_t32_h1")  # failed verification never wins
+        assert e["trials"] == 3 and len(e["pruned"]) == 1
+    res = run("table", "show", str(out), "--gpu", "Fake GPU")
+    assert res.exit_code == 0 and "current" in res.output and "2 tuned buckets" in res.output
+    res = run("table", "show", str(out), "--gpu", "NVIDIA H200")
+    assert res.exit_code == 1 and "STALE" in res.output and "this GPU is 'NVIDIA H200'" in res.output
+    res = run("table", "check", str(out))
+    assert res.exit_code == 0 and "ok" in res.output
+
+
+def test_tune_with_two_worker_processes(run, tmp_path):
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    log = tmp_path / "m.log"
+    res = run("tune", *FAKE, "--storage", url, "--workers", "2", "--fake-log", str(log))
+    assert res.exit_code == 0, res.output
+    rows = log.read_text().splitlines()
+    assert len(rows) == 6 and len({r.split("\t", 1)[1] for r in rows}) == 6
+
+
+def test_corrupt_table_is_refused(run, tmp_path):
+    p = tmp_path / "sm90-x.json"
+    p.write_text('{"_metadata": {"format": 1')
+    res = run("table", "check", str(p))
+    assert res.exit_code == 1 and "corrupt JSON" in res.output
+    res = run("table", "show", str(p))
+    assert res.exit_code == 1 and "refused" in res.output
+
+
+def test_shipped_untuned_table_says_so(run, monkeypatch):
+    monkeypatch.setenv("FLAMIA_GEN_TUNING_DB", str(REPO / "tuning_db"))
+    res = run("table", "show", "--arch", "sm100", "--gpu", "NVIDIA B200")
+    assert res.exit_code == 0, res.output
+    assert "UNTUNED" in res.output and "compiled, not executed" in res.output and "sm100-untuned.json" in res.output
+
+
+def test_untuned_generation_matches_the_shipped_file(run, tmp_path):
+    out = tmp_path / "u.json"
+    res = run("table", "untuned", "--arch", "sm100", "-o", str(out))
+    assert res.exit_code == 0 and "compiled, not executed" in res.output
+    shipped = json.loads((REPO / "tuning_db" / "sm100-untuned.json").read_text())
+    fresh = json.loads(out.read_text())
+    shipped["_metadata"].pop("dsl"), fresh["_metadata"].pop("dsl")
+    assert fresh == shipped, "regenerate: flamia-gen table untuned --arch sm100"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--device-ids", "a,b"), "expected comma-separated GPU ids"),
+    (("--workloads", "4y4096"), "is not N or COUNTxLEN"),
+    (("--route", "nope"), "match no variant"),
+    (("--storage", "nosuchdb://x"), "cannot open storage"),
+    (("--kind", "attn_bwd"), "nothing to tune"),
+])
+def test_bad_input_exits_2_with_one_line(run, args, msg):
+    res = run("tune", "--arch", "sm90", "--runner", "fake", *args)
+    assert res.exit_code == 2 and msg in res.output
+
+
+def test_gpu_runner_without_a_gpu_says_what_to_do(run, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = run("tune", "--arch", "sm90", "--route", "mxfp8")
+    assert res.exit_code == 2 and "no CUDA device here" in res.output and "--bundle DIR" in res.output
+    res = run("tune", "--arch", "sm90", "--kind", "attn_bwd")
+    assert res.exit_code == 2 and "no GPU timing hook" in res.output
+
+
+def test_freeze_without_studies_is_a_clear_error(run, tmp_path):
+    res = run("freeze", "--arch", "sm90", "--storage", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert res.exit_code == 2 and "no flamia-gen study for arch sm90" in res.output
+
+
+def test_dry_run_lists_studies(run):
+    res = run("tune", *FAKE, "--dry-run")
+    assert res.exit_code == 0 and "2 studies, 6 trials" in res.output and "tokens=65536" in res.output
