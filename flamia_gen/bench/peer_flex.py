@@ -100,8 +100,6 @@ class FlexAdapter(Adapter):
     def build(self, workload):
         if no_cuda_reason():
             raise RuntimeError(NO_CUDA)
-        import torch
-
         flex = _compiled_flex()
         mask = None
 
@@ -115,7 +113,6 @@ class FlexAdapter(Adapter):
             o = flex(qb, kb, vb, block_mask=mask)
             return o.transpose(1, 2).reshape(t, h, d)
 
-        del torch
         return f
 
     def prepare(self, workload, inputs, mode):

@@ -56,7 +56,6 @@ class SdpaAdapter(Adapter):
         return out
 
     def build(self, workload):
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import sdpa_kernel
 
@@ -74,5 +73,4 @@ class SdpaAdapter(Adapter):
                     batched_view(v, workload), is_causal=causal)
             return packed_from_batched(o, workload)
 
-        del torch
         return f
