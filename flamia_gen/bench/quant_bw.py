@@ -70,3 +70,59 @@ def bench_one(name: str, fn, nbytes: int, iters: int = 30) -> dict:
     stats = time_cuda(fn, warmup=5, repeats=iters, measure_memory=False)
     return dict(impl=name, median_ms=stats.median_ms, p20_ms=stats.p20_ms, p80_ms=stats.p80_ms,
                 gbps=nbytes / (stats.median_ms * 1e-3) / 1e9)
+
+
+def _scale_bytes(outs: dict) -> int:
+    return sum(t.numel() * t.element_size() for n, t in outs.items() if n in ("scales", "tensor_scale"))
+
+
+def run_quant_bandwidth(bundle, *, T: int = 65536, H: int = 16, D: int = 128, doc_len: int = 4096,
+                        names=None, iters: int = 30, compile_peer: bool = True) -> list[dict]:
+    """Every quantizer in the bundle (head_dim D) on a packed row of equal documents:
+    achieved GB/s, ratio to the copy, and to torch.compile'd quantizer of the same
+    granularity where one exists."""
+    from ..runtime.quant import allocate_outputs
+
+    cu = torch.arange(0, T + 1, doc_len, dtype=torch.int32, device="cuda")
+    if int(cu[-1]) != T:
+        cu = torch.cat([cu, torch.tensor([T], dtype=torch.int32, device="cuda")])
+    xs = [torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    copy = copy_bandwidth(T * H * D, iters)
+    rows = [dict(copy, ratio_copy=1.0)]
+    peers: dict[str, dict] = {}
+    for entry in bundle.manifest["variants"]:
+        if entry["kind"] != "quant" or entry["params"]["head_dim"] != D or (names and entry["name"] not in names):
+            continue
+        fn = bundle.get(entry["name"])
+        outs = [allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, "cuda") for _ in xs]
+        order = [a["name"] for a in entry["args"]]
+
+        def call(i, outs=outs, fn=fn, order=order):
+            by = dict(outs[i], x=xs[i], cu_seqlens=cu)
+            return lambda: fn(*[by[n] for n in order])
+
+        nbytes = quant_bytes(T, H, D, entry["params"]["write_transposed"], _scale_bytes(outs[0]))
+        if entry["params"]["granularity"] in ("tensor", "nvfp4"):
+            nbytes += T * H * D * 2  # the amax pass reads x once more: count it, it is real traffic
+        st = time_cuda([call(i) for i in range(len(xs))], warmup=5, repeats=iters, measure_memory=False)
+        row = dict(impl=entry["name"], granularity=entry["params"]["granularity"], median_ms=st.median_ms,
+                   gbps=nbytes / (st.median_ms * 1e-3) / 1e9)
+        row["ratio_copy"] = row["gbps"] / copy["gbps"]
+        g = entry["params"]["granularity"]
+        if compile_peer and g in ("token", "token_block", "tensor") and entry["params"]["fmt"] == "e4m3":
+            if g not in peers:
+                f = torch.compile(torch_quantizer(g), dynamic=False)
+                st_p = time_cuda([(lambda x=x: f(x)) for x in xs], warmup=3, repeats=iters, measure_memory=False)
+                peers[g] = dict(impl=f"torch.compile {g}", median_ms=st_p.median_ms)
+            row["torch_compile_ms"] = peers[g]["median_ms"]
+            row["speedup_vs_torch_compile"] = peers[g]["median_ms"] / st.median_ms
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'impl':48s} {'ms':>8s} {'GB/s':>8s} {'/copy':>6s} {'vs torch.compile':>17s}"]
+    for r in rows:
+        tc = f"{r['speedup_vs_torch_compile']:.2f}x" if "speedup_vs_torch_compile" in r else "-"
+        lines.append(f"{r['impl']:48s} {r['median_ms']:8.3f} {r['gbps']:8.0f} {r.get('ratio_copy', 0):6.2f} {tc:>17s}")
+    return "\n".join(lines)

@@ -53,6 +53,8 @@ Decisions the contract leaves open (all documented here):
 * ``codes_t`` (``(H, D, T_pad)``, ``T_pad = ceil(T/16)·16``, zero padding) is produced by
   default (``transposed=None``) for 8-bit formats when ``x`` is 3-D ``(T, H, D)`` and the
   granularity is not ``square_32``; ``transposed=True`` demands it, ``False`` skips it.
+  It is always the same codes transposed: for ``block1d_32`` its scale blocks therefore stay
+  along D; an operand scaled along tokens (OCP V/dO) is a separate call with ``axis=0``.
 * Inputs are converted to fp32 first (any floating dtype is accepted; BF16 per contract).
   ``D`` only has to be a multiple of the block (32, or 16 for nvfp4) and a power of two when
   ``hadamard`` is set; the kernels' ``D ∈ {64, 128}`` is not enforced here.

@@ -237,3 +237,73 @@ def test_compile_bf16_variant(tmp_path):
     v = next(v for v in VARIANTS if v.route == "bf16" and "_ovl_" not in v.name)
     ptx = _compile_variant(v, tmp_path)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+
+
+# ----------------------------------------------------------------------------- key tiling (TMA alignment)
+# Bug class (H200, 2026-11-29): the fp8 route crashed with "illegal instruction" whenever a
+# document started at a token that is not a multiple of 16. Vᵀ codes are (HKV, D, T_PAD) with
+# keys contiguous, and a TMA tile load's innermost coordinate must be a multiple of 16 bytes;
+# the kernel offset the Vᵀ TMA by doc_start on that axis. Key tiles now start at
+# key_base = doc_start rounded down to 16 and mask the delta leading keys of the previous document.
+def _key_tiling_fn(src: str):
+    """`key_tiling` of a rendered variant, run on Python ints (no DSL needed)."""
+    tree = ast.parse(src)
+    consts = {}
+    fn = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ("TILE_M", "TILE_N", "KEY_ALIGN"):
+            consts[node.targets[0].id] = ast.literal_eval(node.value)
+        if isinstance(node, ast.FunctionDef) and node.name == "key_tiling":
+            fn = node
+    assert fn is not None and set(consts) == {"TILE_M", "TILE_N", "KEY_ALIGN"}
+    ns = dict(consts, cutlass=type("C", (), {"min": staticmethod(min), "max": staticmethod(max)}))
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "key_tiling", "exec"), ns)
+    return ns["key_tiling"], consts
+
+
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.route == "fp8_token"], ids=lambda v: v.name)
+def test_fp8_vt_tma_never_offset_by_doc_start_on_its_contiguous_axis(v):
+    src = render_variant(v)
+    assert "domain_offset((0, doc_start)" not in src
+    assert src.count("domain_offset((0, key_base), mV[None, None, hkv])") == 1
+    assert "KEY_ALIGN = 16" in src
+    # every TMA coordinate/offset on K and V goes through key_base, never doc_start
+    assert "domain_offset((doc_start, 0), mK" not in src and "domain_offset((key_base, 0), mK" in src
+
+
+def _tile_order(nblk, n_mask, n_lo):
+    """Order of key tiles (producer and consumers), as documented in key_tiling."""
+    return list(range(nblk - 1, n_mask - 1, -1)) + ([0] if n_lo else []) + list(range(n_mask - 1, n_lo - 1, -1))
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_key_tiling_aligned_and_covers_and_masks(v):
+    key_tiling, c = _key_tiling_fn(render_variant(v))
+    causal = v.param("causal")
+    tm, tn, align = c["TILE_M"], c["TILE_N"], c["KEY_ALIGN"]
+    fp8 = v.route == "fp8_token"
+    assert align == (16 if fp8 else 1)
+    g = torch.Generator().manual_seed(1)
+    starts = [0, 1, 3, 6, 15, 16, 17, 1000, 1024, 1300, 4099] + torch.randint(0, 10 ** 6, (40,), generator=g).tolist()
+    lens = [1, 2, 3, 5, 64, 127, 128, 129, 130, 255, 300, 1000, 4096]
+    for s in starts:
+        for L in lens:
+            for mb in range(-(-L // tm)):
+                kb, delta, nblk, n_mask, n_lo = key_tiling(mb, s, L)
+                assert kb + delta == s and 0 <= delta < 16 and kb % align == 0
+                if not fp8:
+                    assert delta == 0 and n_lo == 0
+                order = _tile_order(nblk, n_mask, n_lo)
+                assert sorted(order) == list(range(nblk)), (s, L, mb)
+                masked = set(range(n_mask, nblk)) | ({0} if n_lo else set())
+                rows = range(mb * tm, min((mb + 1) * tm, L))
+                last_visible = max(rows) if causal else L - 1
+                for n in range(nblk):
+                    keys = range(n * tn - delta, (n + 1) * tn - delta)  # document-local
+                    # TMA coordinate of the tile on Vᵀ's contiguous axis: 16-byte aligned
+                    assert not fp8 or (kb + n * tn) % 16 == 0
+                    needs_mask = keys[0] < 0 or keys[-1] >= L or (causal and keys[-1] > rows[0])
+                    assert not needs_mask or n in masked, (s, L, mb, n)
+                # every visible key of the tile's rows is in a visited tile
+                assert (last_visible + delta) // tn < nblk
