@@ -80,7 +80,11 @@ class Bundle:
 
     @property
     def variants(self) -> dict[str, dict]:
-        return {v["name"]: v for v in self.manifest["variants"]}
+        # built once: the runtime asks on every call
+        cached = self.__dict__.get("_by_name")
+        if cached is None:
+            cached = self.__dict__["_by_name"] = {v["name"]: v for v in self.manifest["variants"]}
+        return cached
 
     def for_use(self, route: str, operand: str, kind: str = "quant", **params) -> list[dict]:
         """Variants that serve `route.operand`, filtered by params (e.g. head_dim=128)."""

@@ -1,0 +1,115 @@
+"""Packed low-precision attention forward from a bundle: fused quantizer launches for
+Q, K, V, then the forward kernel. Kernels are picked by the dispatch table of this
+GPU (analytic defaults when there is none or it is stale).
+
+This is the forward half of the training op (issue #9 adds the backward and the
+`torch.library` registration). A route, arch or head dim with no kernel raises a clear
+error; there is no silent fallback to another route.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..dispatch import DocProfile, Dispatcher
+from .attn_fwd import run_attn_fwd
+from .bundle import Bundle, load_bundle
+from .quant import allocate_outputs
+
+ARCH = "sm90"
+
+
+class NoKernelError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=4)
+def _bundle(path: str) -> Bundle:
+    return load_bundle(path)
+
+
+def _current_bundle() -> Bundle:
+    path = os.environ.get("FLAMIA_GEN_BUNDLE")
+    if not path:
+        raise NoKernelError("no kernels: set FLAMIA_GEN_BUNDLE to a bundle made by `flamia-gen bundle --arch sm90`")
+    return _bundle(str(Path(path).resolve()))
+
+
+@lru_cache(maxsize=2)
+def _dispatcher(gpu: str) -> Dispatcher:
+    return Dispatcher(ARCH, gpu)
+
+
+def available_routes() -> list[str]:
+    """Routes whose forward kernels are in the bundle (causal variants)."""
+    b = _current_bundle()
+    return sorted({v["uses"][0] for v in b.manifest["variants"] if v["kind"] == "attn_fwd"})
+
+
+@lru_cache(maxsize=256)
+def _pick_cached(root: str, kind: str, route: str, d: int, causal, profile, operand=None) -> dict:
+    return _pick(_bundle(root), kind, route, d, causal, profile, operand)
+
+
+def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=None) -> dict:
+    disp = _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    try:
+        if kind == "quant":
+            name = disp.quantizer(route, operand, d, profile=profile).variant
+        else:
+            name = disp.decide(kind, route, d, causal, profile=profile).variant
+    except KeyError:
+        name = None
+    if name and name in b.variants:
+        return b.variants[name]
+    # the chosen variant is not in this bundle: any bundled variant of the same group
+    if kind == "quant":
+        cands = b.for_use(route, operand, "quant", head_dim=d)
+    else:
+        cands = [v for v in b.manifest["variants"] if v["kind"] == kind and v["uses"][0] == route
+                 and v["params"]["head_dim"] == d and v["params"]["causal"] == causal]
+    if not cands:
+        raise NoKernelError(f"no {kind} kernel for route={route!r} operand={operand} head_dim={d} causal={causal} "
+                            f"on {ARCH} in bundle {b.root}")
+    return sorted(cands, key=lambda v: v["name"])[0]
+
+
+def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor) -> dict:
+    T, H, D = x.shape
+    outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, x.device)
+    by = dict(outs, x=x, cu_seqlens=cu)
+    b.get(entry["name"])(*[by[a["name"]] for a in entry["args"]])
+    return outs
+
+
+def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
+                     softmax_scale: float | None = None, return_lse: bool = False):
+    """O (T, HQ, D) BF16 for packed BF16 q (T, HQ, D), k, v (T, HKV, D)."""
+    if not q.is_cuda:
+        raise ValueError("q: must be a CUDA tensor (the kernels run on sm90)")
+    T, HQ, D = q.shape
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D}: unsupported on sm90 (64 or 128)")
+    b = _current_bundle()
+    # document profile without a host sync: the caller's max_seqlen and the static sizes
+    profile = DocProfile(tokens=T, num_docs=max(1, cu_seqlens.numel() - 1), max_len=int(max_seqlen))
+    root = str(b.root)
+    fwd = _pick_cached(root, "attn_fwd", route, D, causal, profile)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    fp8 = any(a["name"] == "q_scale" for a in fwd["args"])
+    if not fp8:
+        o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
+                              cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale)
+    else:
+        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu_seqlens)
+        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu_seqlens)
+        vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu_seqlens)
+        o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], qq["codes"], kq["codes"], vq["codes_t"],
+                              qq["scales"], kq["scales"], vq["scales"], cu_seqlens=cu_seqlens, params=fwd["params"],
+                              softmax_scale=scale)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from flamia_gen.runtime import NoKernelError, available_routes, packed_attention
+
+
+def _qkv(T=64, H=2, D=128):
+    q = torch.randn(T, H, D, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 30, T], dtype=torch.int32)
+    return q, q.clone(), q.clone(), cu
+
+
+def test_no_bundle_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("FLAMIA_GEN_BUNDLE", raising=False)
+    with pytest.raises(NoKernelError, match="FLAMIA_GEN_BUNDLE"):
+        available_routes()
+
+
+def test_cpu_tensors_and_bad_head_dim_are_refused():
+    q, k, v, cu = _qkv()
+    with pytest.raises(ValueError, match="CUDA"):
+        packed_attention(q, k, v, cu, 34)
+
+
+def test_verify_maps_variant_to_its_representation():
+    from flamia_gen.spec import get_route
+    from flamia_gen.verify.gpu import _operand_quant_of
+
+    oq = _operand_quant_of({"name": "x", "uses": ["mxfp8.q", "mxfp8_exact.do"]})
+    assert oq == get_route("mxfp8").operands.q
+    with pytest.raises(ValueError, match="differs"):
+        _operand_quant_of({"name": "x", "uses": ["mxfp8.q", "fp8_token.q"]})
