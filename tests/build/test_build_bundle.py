@@ -25,7 +25,10 @@ def fixture_templates(monkeypatch):
 
 
 def _pick(arch, n=1):
-    plan = make_plan(load_specs(REPO / "specs"), arch=arch, routes=["fp8_token"])
+    from flamia_gen.spec import KernelKind
+
+    # the fixture templates provide quant.py.j2 only
+    plan = make_plan(load_specs(REPO / "specs"), arch=arch, routes=["fp8_token"], kinds=[KernelKind.quant])
     return plan.variants[:n]
 
 
