@@ -97,11 +97,17 @@ def run_quant_bandwidth(bundle, *, T: int = 65536, H: int = 16, D: int = 128, do
         outs = [allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, "cuda") for _ in xs]
         order = [a["name"] for a in entry["args"]]
 
+        with_delta = bool(entry["params"].get("with_delta"))
+
         def call(i, outs=outs, fn=fn, order=order):
             by = dict(outs[i], x=xs[i], cu_seqlens=cu)
+            if with_delta:
+                by["o"] = xs[(i + 1) % len(xs)]  # the dO launch reads the forward output too
             return lambda: fn(*[by[n] for n in order])
 
         nbytes = quant_bytes(T, H, D, entry["params"]["write_transposed"], _scale_bytes(outs[0]))
+        if with_delta:
+            nbytes += T * H * D * (2 + 4) + H * T * 4  # reads o, zeroes dq_accum (fp32), writes delta
         if entry["params"]["granularity"] in ("tensor", "nvfp4"):
             nbytes += T * H * D * 2  # the amax pass reads x once more: count it, it is real traffic
         st = time_cuda([call(i) for i in range(len(xs))], warmup=5, repeats=iters, measure_memory=False)

@@ -4,3 +4,4 @@ from .quantize import Quantized, fake_quantize, quantize
 from .metrics import cosine, max_rel_change, rel_error, sqnr_db
 from .reference import attention, attention_backward
 from .probe import ProbeResult, leakage_probe
+from .delta import delta_from_quantized

@@ -77,9 +77,22 @@ def _quant_points(fam: KernelFamily, route: Route):
                 tokens_per_cta=tpc,
                 heads_per_cta=hpc,
                 write_transposed=oq.format is not Format.e2m1,
+                with_delta=False,
                 sm_count=fam.sm_count,
             )
             yield op, oq, params
+            if op is Operand.do:
+                # the dO launch: also D = rowsum(dÔ∘O) and the zeroed dQ accumulator
+                yield op, oq, dict(params, with_delta=True)
+
+
+def _delta_supported(oq) -> tuple[bool, str]:
+    """The dO launch computes D from the dequantized dO in the original basis (8-bit codes)."""
+    if oq.format is Format.e2m1:
+        return False, "with_delta needs an 8-bit dO format (E4M3/E5M2), not E2M1"
+    if oq.hadamard:
+        return False, "with_delta needs dO without a Hadamard rotation (D is taken in the original basis)"
+    return True, ""
 
 
 def _attn_points(fam: KernelFamily, route: Route):
@@ -107,7 +120,12 @@ def _hash(obj) -> str:
 
 def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = None) -> Plan:
     """Quantizer variants are keyed by the operand's representation, not by route: the
-    q of mxfp8 and the k of mxfp8_exact are one kernel. `uses` lists route.operand."""
+    q of mxfp8 and the k of mxfp8_exact are one kernel. `uses` lists route.operand.
+
+    dO gets a second variant per point, `with_delta=True` (`..._delta_d128_...`, tag
+    `<repr>_delta`): the backward's dO launch, which also writes D = rowsum(dÔ∘O) and zeroes
+    the fp32 dQ accumulator (docs/quantizer-contract.md). Its `uses` are the route.do pairs;
+    the plain variant keeps them too (same codes, scales and codes_t, bit for bit)."""
     plan = Plan()
     uses: dict[str, list[str]] = {}
     found: dict[str, Variant] = {}
@@ -135,13 +153,18 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
             if name in found or any(p.name == name for p in plan.pruned):
                 continue
             ok, reason = check_quant(fam.arch, oq, params)
+            if ok and params["with_delta"]:
+                ok, reason = _delta_supported(oq)
             if not ok:
                 plan.pruned.append(Pruned(name, fam.name, reason))
                 continue
+            tag, rep = oq.short_str(), oq.model_dump(mode="json")
+            if params["with_delta"]:
+                # its own representation tag (and tuning group): it takes o and writes delta, dq_accum
+                tag, rep = tag + "_delta", dict(rep, with_delta=True)
             found[name] = Variant(
                 name=name, family=fam.name, arch=fam.arch, kind=fam.kind, template=fam.template,
-                route=oq.short_str(), spec_hash=_hash(oq.model_dump(mode="json")),
-                params=tuple(sorted(params.items())))
+                route=tag, spec_hash=_hash(rep), params=tuple(sorted(params.items())))
     for name, v in found.items():
         plan.variants.append(Variant(**{**v.__dict__, "uses": tuple(sorted(uses[name]))}))
     return plan

@@ -79,6 +79,17 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
     return sorted(cands, key=lambda v: v["name"])[0]
 
 
+def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The forward reads one UE8M0 exponent per (token, head): `token` and `token_block`
+    quantizers already write that layout; a `tensor` scale is broadcast (a tiny copy)."""
+    T, H = x.shape[0], x.shape[1]
+    if scales.shape == (T, H):
+        return scales.contiguous()
+    if scales.numel() == 1:
+        return scales.reshape(1, 1).expand(T, H).contiguous()
+    raise ValueError(f"scales of shape {tuple(scales.shape)}: the sm90 forward takes per-token or tensor scales")
+
+
 def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor) -> dict:
     T, H, D = x.shape
     outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, x.device)
@@ -110,6 +121,7 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
         kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu_seqlens)
         vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu_seqlens)
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], qq["codes"], kq["codes"], vq["codes_t"],
-                              qq["scales"], kq["scales"], vq["scales"], cu_seqlens=cu_seqlens, params=fwd["params"],
+                              per_token_scales(qq["scales"], q), per_token_scales(kq["scales"], k),
+                              per_token_scales(vq["scales"], v), cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale)
     return (o, lse) if return_lse else o

@@ -72,6 +72,25 @@ def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
     return any(a["name"] == "v_t" for a in args_spec)
 
 
+def k_rows_for_tma(k: torch.Tensor, t_pad: int) -> torch.Tensor:
+    """k (T, HKV, D) whose storage holds `t_pad` rows from its first element.
+
+    The fp8 K_ROW_PERM variants (PARAMS["k_row_perm"]) load K through a rank-5 TMA whose token
+    dims are (2, 4, 2, T_PAD/16): per-dimension bounds cannot stop a read at T inside the last
+    16-token group, so rows T … T_PAD−1 are read (and masked: key ≥ document length). When k's
+    storage already extends that far (a padded quantizer buffer) k is returned as is; otherwise
+    a zero-padded copy (T_PAD rows) is made and its first T rows returned."""
+    T = k.shape[0]
+    if t_pad <= T:
+        return k
+    need = (k.storage_offset() + t_pad * k.shape[1] * k.shape[2]) * k.element_size()
+    if k.untyped_storage().nbytes() >= need:
+        return k
+    kp = torch.zeros((t_pad, *k.shape[1:]), dtype=k.dtype, device=k.device)
+    kp[:T].copy_(k)
+    return kp[:T]
+
+
 def _need(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
@@ -153,6 +172,8 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
         work = make_work_list(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
     by_name = {"cu_seqlens": cu_seqlens, "work": work, "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
     if fp8:
+        if params.get("k_row_perm"):
+            k = k_rows_for_tma(k, v.shape[2])
         by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
                        v_scale=v_scale)
     else:
@@ -164,4 +185,4 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     return o, lse
 
 
-__all__ = ["make_work_list", "num_work", "check_fwd_inputs", "run_attn_fwd", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["make_work_list", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma", "SUPPORTED_HEAD_DIMS"]

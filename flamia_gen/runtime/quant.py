@@ -7,6 +7,12 @@ imports the CuTe DSL, so it runs on the GPU host that has no DSL.
 
     fn = load_quantizer("quant_sm90_....so", "quant_sm90_...")
     out = run_quantizer(fn, ARGS, x, cu_seqlens)      # {"codes": ..., "scales": ..., ...}
+
+The dO launch (`with_delta` variants, ARGS has an input `o`) also takes the forward output
+O and returns `delta` fp32 (H, T) = rowsum(dequant(dO) * O) and `dq_accum` fp32 (T, H, D),
+zeroed by the kernel (docs/quantizer-contract.md, "dO launch"):
+
+    out = run_quantizer(fn, ARGS, do, cu_seqlens, o=o)  # + {"delta": ..., "dq_accum": ...}
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["check_quant_inputs", "shape_of", "allocate_outputs", "run_quantizer", "load_quantizer",
-           "QUANT_DTYPES"]
+__all__ = ["check_quant_inputs", "check_delta_input", "takes_o", "shape_of", "allocate_outputs", "run_quantizer",
+           "load_quantizer", "QUANT_DTYPES"]
 
 QUANT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -71,6 +77,26 @@ def check_quant_inputs(x: torch.Tensor, cu_seqlens: torch.Tensor,
     return t, h, d, cu_seqlens.numel() - 1
 
 
+def takes_o(args_spec: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the quantizer is a dO launch (`with_delta`): its ARGS take the forward output `o`."""
+    return any(a.get("name") == "o" and a.get("role") == "in" for a in args_spec)
+
+
+def check_delta_input(o: torch.Tensor, x: torch.Tensor) -> None:
+    """Validate the dO launch's `o` (the forward output) against `x` (dO): a contiguous BF16
+    tensor of the same shape, on the same device. Raises ValueError naming the problem."""
+    if not isinstance(o, torch.Tensor):
+        raise ValueError(f"o must be a torch.Tensor, got {type(o).__name__}")
+    if o.dtype != torch.bfloat16:
+        raise ValueError(f"o must be bfloat16, got {o.dtype}")
+    if tuple(o.shape) != tuple(x.shape):
+        raise ValueError(f"o has shape {tuple(o.shape)} but x (dO) has shape {tuple(x.shape)}; they must match")
+    if o.device != x.device:
+        raise ValueError(f"o is on {o.device} but x is on {x.device}")
+    if not o.is_contiguous():
+        raise ValueError("o must be contiguous")
+
+
 def _eval_expr(expr: Any, env: Mapping[str, int]) -> int:
     """Evaluate a shape entry: an int, or an expression over T, H, D, T_pad, NUM_DOCS with
     + - * // (and / on exact divisions). No names or calls beyond those."""
@@ -117,6 +143,8 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
 
     poison=True fills outputs with the byte 0xAB, so an element the kernel never writes
     shows up in a bitwise comparison. Workspaces are zeroed (the kernel re-zeroes them).
+    The dO launch's `delta` (H, T) and `dq_accum` (T, H, D) are fp32 outputs like any other:
+    the kernel writes every element (dq_accum with +0.0), so they are never zeroed here.
     """
     out: dict[str, torch.Tensor] = {}
     for a in args_spec:
@@ -136,12 +164,23 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
 
 
 def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]], x: torch.Tensor,
-                  cu_seqlens: torch.Tensor, poison: bool = False, check: bool = True) -> dict[str, torch.Tensor]:
+                  cu_seqlens: torch.Tensor, poison: bool = False, check: bool = True,
+                  o: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Call a loaded quantizer `fn(*tensors)` in ARGS order on the current torch stream.
 
     Returns {name: tensor} for every "out" (and "workspace") entry. check=False skips the
-    input checks (and their host sync on cu_seqlens).
+    input checks (and their host sync on cu_seqlens). `o` (BF16, shaped like x): the
+    forward output, required by a dO launch (`with_delta`, ARGS takes `o`) and refused
+    by every other quantizer.
     """
+    if takes_o(args_spec):
+        if o is None:
+            raise ValueError("this quantizer is a dO launch (with_delta): pass o, the forward output "
+                             "(T, H, D) bfloat16, to compute delta = rowsum(dequant(dO) * O)")
+        if check:
+            check_delta_input(o, x)
+    elif o is not None:
+        raise ValueError("o was given but this quantizer does not take it (not a with_delta variant)")
     if check:
         T, H, D, nd = check_quant_inputs(x, cu_seqlens)
     else:
@@ -149,6 +188,8 @@ def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]]
         nd = cu_seqlens.numel() - 1
     outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison)
     inputs = {"x": x, "cu_seqlens": cu_seqlens}
+    if o is not None:
+        inputs["o"] = o
     call = []
     for a in args_spec:
         if a.get("role") == "in":

@@ -113,7 +113,7 @@ class QuantHook:
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
 
-        from ..runtime.quant import allocate_outputs, check_quant_inputs
+        from ..runtime.quant import allocate_outputs, check_quant_inputs, takes_o
 
         dev = torch.device("cuda", device)
         with torch.cuda.device(device):
@@ -129,6 +129,8 @@ class QuantHook:
                 check_quant_inputs(x, cu)
                 outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, dev)
                 inputs = {"x": x, "cu_seqlens": cu}
+                if takes_o(entry["args"]):  # the dO launch (with_delta) also reads the forward output
+                    inputs["o"] = torch.randn(T, H, D, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
                 args = [inputs[a["name"]] if a.get("role") == "in" else outs[a["name"]] for a in entry["args"]]
                 calls.append(lambda args=args: fn(*args))
             return time_cuda(calls, warmup=warmup, repeats=repeats)

@@ -34,6 +34,7 @@ PARAMS = {
     "tokens_per_cta": 32,
     "heads_per_cta": 1,
     "write_transposed": True,
+    "with_delta": False,
     "sm_count": 148,
     "spec_hash": "bdc4bdcef3cc333b",
     "flamia_version": "0.1.0",

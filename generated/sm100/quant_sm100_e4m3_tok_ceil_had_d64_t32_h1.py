@@ -34,6 +34,7 @@ PARAMS = {
     "tokens_per_cta": 32,
     "heads_per_cta": 1,
     "write_transposed": True,
+    "with_delta": False,
     "sm_count": 148,
     "spec_hash": "57a9b8e2ff7c16fa",
     "flamia_version": "0.1.0",

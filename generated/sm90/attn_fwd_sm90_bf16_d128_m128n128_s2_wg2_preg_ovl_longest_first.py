@@ -51,6 +51,7 @@ PARAMS = {
     "scheduler": "longest_first",
     "causal": True,
     "exp_approx": "ex2",
+    "k_row_perm": False,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
     "flamia_version": "0.1.0",
@@ -77,6 +78,7 @@ NUM_WG = 2
 CAUSAL = True
 SM_COUNT = 132
 KEY_ALIGN = 1  # keys: the Vᵀ TMA's innermost coordinate must be a multiple of 16 bytes
+K_ROW_PERM = False  # K tile rows permuted within 16-key groups (key_of_col)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -220,6 +222,32 @@ def key_tiling(m_block, doc_start, doc_len):
     n_mask = cutlass.min((m_block * TILE_M + delta) // TILE_N, nblk - 1)
     n_lo = 0
     return key_base, delta, nblk, n_mask, n_lo
+
+
+def key_of_col(c):
+    """Key (offset within the key tile) held by S column / K smem row c.    Plain integer arithmetic (Python ints in tests, Int32 in the kernel)."""
+    return c
+
+
+def col_of_key(k):
+    """Inverse of key_of_col: the S column / K smem row holding key k of the tile."""
+    return k
+
+
+def scale_word(c, which):
+    """fp8 per-key factors in shared memory, per stage, in S-column order: column pair p = c // 2
+    owns 8 words (2^ek c, 2^ek c+1, ev c, ev c+1, 2^(−ev−p) c, 2^(−ev−p) c+1, pad, pad), so a
+    thread reads (2^ek, ev) of its two adjacent columns with one 16-byte load and 2^(−ev−p) with
+    one 8-byte load. which: 0 = 2^ek, 1 = ev, 2 = 2^(−ev−p)."""
+    return 8 * (c >> 1) + 2 * which + (c & 1)
+
+
+def p_pack(kb, q, rh):
+    """Accumulator indices (acc_S[cp + 2·rh + 4·cg], column 8·cg + 2t + cp) packed, byte 0 first,
+    into the FP8 A register rP[4·kb + 2·q + rh] of PV (keys 32·kb + 16·q + 4t … + 3, row half
+    rh), valid with K_ROW_PERM only (see key_of_col)."""
+    cg = 4 * kb + 2 * q
+    return (4 * cg + 2 * rh, 4 * cg + 2 * rh + 1, 4 * cg + 4 + 2 * rh, 4 * cg + 5 + 2 * rh)
 
 
 class AttnFwdSm90:
@@ -522,6 +550,7 @@ class AttnFwdSm90:
         The running max m is an integer (ceil), as in the emulator: a move of m rescales O and l
         by an exact power of two, so P is rounded on the same grid whatever tile set m."""
         col0 = key0  # document-local key of column 0 (negative: previous document's keys)
+        kt = key_of_col(tScS[0][1])  # this thread's key offset (tScS[0][1] = 2t)
         mx = cute.make_rmem_tensor((2,), Float32)
         scale_o = cute.make_rmem_tensor((2,), Float32)
         m_arg = cute.make_rmem_tensor((2,), Float32)
@@ -530,12 +559,13 @@ class AttnFwdSm90:
         # pass 1: y = x (+ ev): base-2 logits of visible keys, -inf elsewhere; row max of y
         for cg in cutlass.range_constexpr(16):
             for cp in cutlass.range_constexpr(2):
-                col = tScS[cp + 4 * cg][1]
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     y = acc_S[i] * row_q[rh]
                     if const_expr(mask):
-                        key = col0 + col
+                        # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
+                        # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
+                        key = col0 + kt + key_of_col(8 * cg + cp)
                         if (key >= doc_len) | (key > row0 + tScS[2 * rh][0]):
                             y = -Float32.inf
                     acc_S[i] = y

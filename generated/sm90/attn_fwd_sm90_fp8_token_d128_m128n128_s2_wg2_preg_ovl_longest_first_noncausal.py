@@ -57,6 +57,7 @@ PARAMS = {
     "scheduler": "longest_first",
     "causal": False,
     "exp_approx": "ex2",
+    "k_row_perm": False,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
     "flamia_version": "0.1.0",
@@ -86,6 +87,7 @@ NUM_WG = 2
 CAUSAL = False
 SM_COUNT = 132
 KEY_ALIGN = 16  # keys: the Vᵀ TMA's innermost coordinate must be a multiple of 16 bytes
+K_ROW_PERM = False  # K tile rows permuted within 16-key groups (key_of_col)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -233,6 +235,32 @@ def key_tiling(m_block, doc_start, doc_len):
     return key_base, delta, nblk, n_mask, n_lo
 
 
+def key_of_col(c):
+    """Key (offset within the key tile) held by S column / K smem row c.    Plain integer arithmetic (Python ints in tests, Int32 in the kernel)."""
+    return c
+
+
+def col_of_key(k):
+    """Inverse of key_of_col: the S column / K smem row holding key k of the tile."""
+    return k
+
+
+def scale_word(c, which):
+    """fp8 per-key factors in shared memory, per stage, in S-column order: column pair p = c // 2
+    owns 8 words (2^ek c, 2^ek c+1, ev c, ev c+1, 2^(−ev−p) c, 2^(−ev−p) c+1, pad, pad), so a
+    thread reads (2^ek, ev) of its two adjacent columns with one 16-byte load and 2^(−ev−p) with
+    one 8-byte load. which: 0 = 2^ek, 1 = ev, 2 = 2^(−ev−p)."""
+    return 8 * (c >> 1) + 2 * which + (c & 1)
+
+
+def p_pack(kb, q, rh):
+    """Accumulator indices (acc_S[cp + 2·rh + 4·cg], column 8·cg + 2t + cp) packed, byte 0 first,
+    into the FP8 A register rP[4·kb + 2·q + rh] of PV (keys 32·kb + 16·q + 4t … + 3, row half
+    rh), valid with K_ROW_PERM only (see key_of_col)."""
+    cg = 4 * kb + 2 * q
+    return (4 * cg + 2 * rh, 4 * cg + 2 * rh + 1, 4 * cg + 4 + 2 * rh, 4 * cg + 5 + 2 * rh)
+
+
 class AttnFwdSm90:
     def __init__(self, config=PARAMS):
         self.config = dict(config)
@@ -258,7 +286,7 @@ class AttnFwdSm90:
         self.sK_layout = make_smem_layout(self.qk_dtype, (n, d), self.stages)
         # Vᵀ tile (D, keys), keys contiguous: the K-major B operand of PV.
         self.sV_layout = make_smem_layout(self.qk_dtype, (d, n), self.stages)
-        self.scale_words = 3 * n  # per stage: 2^ek, ev, 2^(−ev−p_exp) as fp32, per key
+        self.scale_words = 4 * n  # per stage: 2^ek, ev, 2^(−ev−p_exp), pad as fp32 per column (scale_word)
         self.o_row_words = (d + 8) // 2  # BF16 O staging, rows padded by 16 B (conflict-free)
         self.bytes_q = m * d * self.qk_dtype.width // 8
         self.bytes_kv = n * d * self.qk_dtype.width // 8
@@ -393,8 +421,8 @@ class AttnFwdSm90:
              mKs: cute.Tensor, mVs: cute.Tensor,
              mCu: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
              sScale: cute.Tensor, pipe_q, pipe_k, pipe_v, HQ: Int32, num_units: Int32):
-        HKV = mK.shape[2]
-        T = mK.shape[0]
+        HKV = mKs.shape[1]
+        T = mKs.shape[0]
         lane = cute.arch.lane_idx()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -452,21 +480,28 @@ class AttnFwdSm90:
                ):
         # Per-key scale factors travel with K: written by the producer warp, published by the
         # K stage's full-barrier arrive (release), read by the consumers after their wait.
+        # The scale codes are fetched (global loads) before waiting for the stage to empty, so
+        # their latency overlaps the wait instead of delaying the stage's refill (and its K TMA).
+        kcs = cute.make_rmem_tensor(self.tile_n // 32, Int32)
+        vcs = cute.make_rmem_tensor(self.tile_n // 32, Int32)
+        for j in cutlass.range_constexpr(self.tile_n // 32):
+            tok = key_base + n * self.tile_n + lane + 32 * j
+            kcs[j] = Int32(0)
+            vcs[j] = Int32(0)
+            if tok < T:
+                kcs[j] = Int32(mKs[tok, hkv])
+                vcs[j] = Int32(mVs[tok, hkv])
         pipe_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
         base = kv_state.index * self.scale_words
         for j in cutlass.range_constexpr(self.tile_n // 32):
-            key_local = n * self.tile_n + lane + 32 * j
-            tok = key_base + key_local
-            kc = Int32(0)
-            vc = Int32(0)
-            if tok < T:
-                kc = Int32(mKs[tok, hkv])
-                vc = Int32(mVs[tok, hkv])
-            sScale[base + lane + 32 * j] = bits_f32(Uint32(kc) << Uint32(23))
-            sScale[base + self.tile_n + lane + 32 * j] = Float32(vc - 127)
+            kc = kcs[j]
+            vc = vcs[j]
+            c = col_of_key(lane + 32 * j)  # the S column that holds this key
+            sScale[base + scale_word(c, 0)] = bits_f32(Uint32(kc) << Uint32(23))
+            sScale[base + scale_word(c, 1)] = Float32(vc - 127)
             # 2^(−ev−p_exp); clamped for vc ≥ 245 (|v| ≥ 2^118: no finite use)
             inv_bits = cutlass.max(Int32(246) - vc, Int32(1))
-            sScale[base + 2 * self.tile_n + lane + 32 * j] = bits_f32(Uint32(inv_bits) << Uint32(23))
+            sScale[base + scale_word(c, 2)] = bits_f32(Uint32(inv_bits) << Uint32(23))
         cute.arch.sync_warp()
         pipe_k.sync_object_full.arrive(kv_state.index, pipe_k.producer_mask)
         cute.copy(tma_atom_k, tKgK[None, n], tKsK[None, kv_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
@@ -576,6 +611,7 @@ class AttnFwdSm90:
         The running max m is an integer (ceil), as in the emulator: a move of m rescales O and l
         by an exact power of two, so P is rounded on the same grid whatever tile set m."""
         col0 = key0  # document-local key of column 0 (negative: previous document's keys)
+        kt = key_of_col(tScS[0][1])  # this thread's key offset (tScS[0][1] = 2t)
         mx = cute.make_rmem_tensor((2,), Float32)
         scale_o = cute.make_rmem_tensor((2,), Float32)
         m_arg = cute.make_rmem_tensor((2,), Float32)
@@ -584,15 +620,18 @@ class AttnFwdSm90:
         base = stage * self.scale_words
         # pass 1: y = x (+ ev): base-2 logits of visible keys, -inf elsewhere; row max of y
         for cg in cutlass.range_constexpr(16):
+            # (2^ek, 2^ek, ev, ev) of this thread's column pair 8·cg + 2t + {0, 1}: one 16-byte load
+            fk = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 0), 4)
             for cp in cutlass.range_constexpr(2):
-                col = tScS[cp + 4 * cg][1]
-                ck = sScale[base + col]
-                ev = sScale[base + self.tile_n + col]
+                ck = fk[cp]
+                ev = fk[2 + cp]
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     y = acc_S[i] * ck * row_q[rh] + ev
                     if const_expr(mask):
-                        key = col0 + col
+                        # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
+                        # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
+                        key = col0 + kt + key_of_col(8 * cg + cp)
                         if (key < 0) | (key >= doc_len):
                             y = -Float32.inf
                     acc_S[i] = y
@@ -609,9 +648,9 @@ class AttnFwdSm90:
             rs[rh] = Float32(0.0)
         # pass 2: one ex2 per element gives P (for PV) and the denominator term
         for cg in cutlass.range_constexpr(16):
+            fi = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 2), 2)  # 2^(−ev−8) ×2
             for cp in cutlass.range_constexpr(2):
-                col = tScS[cp + 4 * cg][1]
-                inv = sScale[base + 2 * self.tile_n + col]  # 2^(−ev−8)
+                inv = fi[cp]
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     e = ex2(acc_S[i] - m_arg[rh])
@@ -620,6 +659,14 @@ class AttnFwdSm90:
         for rh in cutlass.range_constexpr(2):
             row_sum[rh] = row_sum[rh] * scale_o[rh] + rs[rh]
         return scale_o
+
+    @cute.jit
+    def load_scales(self, sScale: cute.Tensor, off: Int32, n: cutlass.Constexpr[int]):
+        """n consecutive fp32 per-key factors at word `off` (a multiple of n): one vector LDS."""
+        src = cute.make_tensor(sScale.iterator + cute.assume(off, divby=n), cute.make_layout(n))
+        vals = cute.make_rmem_tensor(n, Float32)
+        cute.autovec_copy(src, vals)
+        return vals
 
     @cute.jit
     def rescale_o(self, acc_O: cute.Tensor, scale_o: cute.Tensor):

@@ -33,6 +33,7 @@ PARAMS = {
     "tokens_per_cta": 128,
     "heads_per_cta": 1,
     "write_transposed": False,
+    "with_delta": False,
     "sm_count": 132,
     "spec_hash": "2b3ec83484a8faf7",
     "flamia_version": "0.1.0",

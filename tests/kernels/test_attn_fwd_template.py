@@ -307,3 +307,129 @@ def test_key_tiling_aligned_and_covers_and_masks(v):
                     assert not needs_mask or n in masked, (s, L, mb, n)
                 # every visible key of the tile's rows is in a visited tile
                 assert (last_visible + delta) // tn < nblk
+
+
+# ----------------------------------------------------------------------------- K-row permutation (fp8)
+# K_ROW_PERM (template flag, off by default): the K tile's smem rows are loaded in the key order
+# key_of_col, so that the QKᵀ accumulator of thread t already holds the keys of the k32 E4M3 A
+# fragment of PV (no quad shuffles). Everything that names a key by its S column (the per-key
+# scale words, the masks) must go through the same map. These tests run the rendered helpers on
+# Python ints against the wgmma fragment layouts.
+def _render_with(v, **extra) -> str:
+    from flamia_gen.render.render import HEADER, _environment, templates_dir
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _module_fns(src: str, names):
+    tree = ast.parse(src)
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {f.name for f in fns} == set(names)
+    ns: dict = {}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), "helpers", "exec"), ns)
+    return [ns[n] for n in names]
+
+
+_FP8 = [v for v in VARIANTS if v.route == "fp8_token"]
+_HELPERS = ("key_of_col", "col_of_key", "scale_word", "p_pack")
+
+
+def test_k_row_perm_off_by_default_and_identity():
+    for v in VARIANTS:
+        src = render_variant(v)
+        assert "K_ROW_PERM = False" in src and _literals(src)["PARAMS"]["k_row_perm"] is False
+        key_of_col, col_of_key, _, _ = _module_fns(src, _HELPERS)
+        assert all(key_of_col(c) == c == col_of_key(c) for c in range(v.param("tile_n")))
+    # the shuffle path stays the default fp8 path
+    assert all("shuffle_sync(send_a" in render_variant(v) for v in _FP8)
+
+
+@pytest.mark.parametrize("v", _FP8, ids=lambda v: v.name)
+def test_k_row_perm_mapping_matches_fragments_scales_and_mask(v):
+    src = _render_with(v, k_row_perm=True)
+    ast.parse(src)
+    assert "K_ROW_PERM = True" in src and _literals(src)["PARAMS"]["k_row_perm"] is True
+    assert "shuffle_sync(send_a" not in src  # P goes to PV without shuffles
+    key_of_col, col_of_key, scale_word, p_pack = _module_fns(src, _HELPERS)
+    n = v.param("tile_n")
+    # bijection inside every 16-key group, col_of_key its inverse
+    assert sorted(key_of_col(c) for c in range(n)) == list(range(n))
+    for c in range(n):
+        assert key_of_col(c) // 16 == c // 16 and col_of_key(key_of_col(c)) == c
+    # accumulator (m64nNk32 C): thread (g = lane // 4, t = lane % 4), index cp + 2·rh + 4·cg holds
+    # row g + 8·rh, column 8·cg + 2t + cp. FP8 A (k32): register 4·kb + 2·q + rh, byte j holds
+    # row g + 8·rh, k = 32·kb + 16·q + 4t + j. With K rows permuted, column c is key key_of_col(c)
+    # and PV's k index is the natural key (V unpermuted).
+    for t in range(4):
+        for kb in range(n // 32):
+            for q in range(2):
+                for rh in range(2):
+                    idx = p_pack(kb, q, rh)
+                    for j, i in enumerate(idx):
+                        cp, rh_i, cg = i % 2, (i // 2) % 2, i // 4
+                        assert rh_i == rh
+                        assert key_of_col(8 * cg + 2 * t + cp) == 32 * kb + 16 * q + 4 * t + j
+        # the softmax's mask key: key_of_col(col) = key_of_col(8·cg + cp) + key_of_col(2t)
+        for cg in range(n // 8):
+            for cp in range(2):
+                assert key_of_col(8 * cg + 2 * t + cp) == key_of_col(8 * cg + cp) + key_of_col(2 * t)
+    # every acc index packed exactly once
+    packed = [i for kb in range(n // 32) for q in range(2) for rh in range(2) for i in p_pack(kb, q, rh)]
+    assert sorted(packed) == list(range(n // 2))
+    # scale words: the producer writes key k at scale_word(col_of_key(k), w); the consumer reads
+    # column c's words with one 16-byte load at scale_word(c even, 0) and one 8-byte load at
+    # scale_word(c even, 2); the mask of column c uses key_of_col(c): the same key.
+    words = [scale_word(col_of_key(k), w) for k in range(n) for w in range(3)]
+    assert len(set(words)) == len(words) and max(words) < 4 * n
+    for c in range(0, n, 2):
+        assert scale_word(c, 0) % 4 == 0 and scale_word(c, 2) % 2 == 0
+        assert [scale_word(c, 0) + d for d in range(4)] == [scale_word(c, 0), scale_word(c + 1, 0),
+                                                            scale_word(c, 1), scale_word(c + 1, 1)]
+        assert scale_word(c, 2) + 1 == scale_word(c + 1, 2)
+        for cc in (c, c + 1):
+            k = key_of_col(cc)
+            assert scale_word(col_of_key(k), 0) == scale_word(cc, 0)
+    # the K TMA view: smem row r of a 16-aligned tile receives token offset
+    # (2, 4, 2, ·):(1, 4, 2, 16)(r), which must be key_of_col(r)
+    assert "((2, 4, 2, k_tpad16), k_row), stride=((k_row, 4 * k_row, 2 * k_row, 16 * k_row), 1)" in src
+    for r in range(n):
+        assert (r % 2) * 1 + ((r // 2) % 4) * 4 + ((r // 8) % 2) * 2 + (r // 16) * 16 == key_of_col(r)
+    # key tiles of the permuted K start at multiples of 16 (the permutation is per 16-key group)
+    key_tiling, _ = _key_tiling_fn(src)
+    for s in (0, 1, 15, 17, 1000, 4099):
+        assert key_tiling(0, s, 100)[0] % 16 == 0
+
+
+def test_k_rows_for_tma_pads_only_when_needed():
+    from flamia_gen.runtime.attn_fwd import k_rows_for_tma
+    k = torch.arange(40 * 2 * 8, dtype=torch.int32).to(torch.uint8).view(40, 2, 8)
+    assert k_rows_for_tma(k, 48) is not k
+    kp = k_rows_for_tma(k, 48)
+    assert kp.shape == k.shape and torch.equal(kp, k)
+    assert kp.untyped_storage().nbytes() >= 48 * 2 * 8 and kp.is_contiguous()
+    big = torch.zeros(48, 2, 8, dtype=torch.uint8)
+    view = big[:40]
+    assert k_rows_for_tma(view, 48) is view  # storage already holds T_PAD rows
+    assert k_rows_for_tma(k, 40) is k
+
+
+def test_run_attn_fwd_k_row_perm_passes_padded_k():
+    v = _FP8[0]
+    lit = _literals(_render_with(v, k_row_perm=True))
+    seen = []
+    x = _fp8_inputs()  # T = 40, T_PAD = 48
+    run_attn_fwd(lambda *a: seen.extend(a), lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
+                 x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"])
+    k = seen[2]
+    assert k.shape == (40, 2, 128) and k.untyped_storage().nbytes() >= 48 * 2 * 128
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+def test_compile_fp8_k_row_perm_variant(tmp_path):
+    v = next(v for v in _FP8 if "_ovl_" in v.name and not v.name.endswith("_noncausal"))
+    src = tmp_path / f"{v.name}.py"
+    src.write_text(_render_with(v, k_row_perm=True))
+    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
+                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

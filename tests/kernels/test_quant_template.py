@@ -37,14 +37,19 @@ def _env() -> jinja2.Environment:
 
 
 def make_context(arch="sm90", fmt="e4m3", granularity="token", exponent_rule="ceil", hadamard=False,
-                 head_dim=128, tokens_per_cta=32, heads_per_cta=1) -> dict:
+                 head_dim=128, tokens_per_cta=32, heads_per_cta=1, with_delta=None) -> dict:
+    """with_delta=None leaves the key out (the template defaults it to False)."""
     had = "_had" if hadamard else ""
-    name = f"quant_{arch}_{fmt}_{granularity}_{exponent_rule}{had}_q_d{head_dim}_t{tokens_per_cta}_h{heads_per_cta}"
-    return dict(name=name, arch=arch, cute_arch={"sm90": "sm_90a", "sm100": "sm_100a"}[arch], kind="quant",
-                route="test_route", operand="q", fmt=fmt, granularity=granularity, exponent_rule=exponent_rule,
-                hadamard=hadamard, head_dim=head_dim, tokens_per_cta=tokens_per_cta, heads_per_cta=heads_per_cta,
-                write_transposed=fmt != "e2m1", sm_count=132 if arch == "sm90" else 148,
-                spec_hash="0123456789abcdef", flamia_version="0.1.0")
+    op = "do_delta" if with_delta else "q"
+    name = f"quant_{arch}_{fmt}_{granularity}_{exponent_rule}{had}_{op}_d{head_dim}_t{tokens_per_cta}_h{heads_per_cta}"
+    ctx = dict(name=name, arch=arch, cute_arch={"sm90": "sm_90a", "sm100": "sm_100a"}[arch], kind="quant",
+               route="test_route", operand="do" if with_delta else "q", fmt=fmt, granularity=granularity,
+               exponent_rule=exponent_rule, hadamard=hadamard, head_dim=head_dim, tokens_per_cta=tokens_per_cta,
+               heads_per_cta=heads_per_cta, write_transposed=fmt != "e2m1", sm_count=132 if arch == "sm90" else 148,
+               spec_hash="0123456789abcdef", flamia_version="0.1.0")
+    if with_delta is not None:
+        ctx["with_delta"] = with_delta
+    return ctx
 
 
 def render(ctx: dict) -> str:
@@ -72,6 +77,13 @@ def _representative():
 
 
 REPRESENTATIVE = list(_representative())
+
+# (fmt, granularity, exponent_rule) of the dO operand in specs/: the dO launch (with_delta)
+DO_COMBOS = [("e5m2", "tensor", "ceil"), ("e4m3", "token", "ceil"), ("e4m3", "token_block", "ceil"),
+             ("e4m3", "block1d_32", "floor")]
+DELTA_REPRESENTATIVE = [make_context(arch, fmt, g, rule, False, d, t, 1, with_delta=True)
+                        for arch in ("sm90", "sm100") for fmt, g, rule in DO_COMBOS for d in (64, 128)
+                        for t in (32, 64)]
 
 
 @pytest.mark.parametrize("ctx", REPRESENTATIVE, ids=lambda c: c["name"])
@@ -217,3 +229,156 @@ def test_compile_and_export(ctx, tmp_path):
         assert f"cvt.rn.satfinite.{ctx['fmt']}x2.f32" in ptx
         assert "st.global.v4" in ptx  # 16-byte stores (codes and codes_t)
     assert ".ftz" not in ptx  # subnormals kept everywhere
+
+
+# ----------------------------------------------------------------------------- dO launch (with_delta)
+@pytest.mark.parametrize("ctx", DELTA_REPRESENTATIVE, ids=lambda c: c["name"])
+def test_delta_render_is_deterministic_and_args(ctx):
+    a, b = render(ctx), render(dict(ctx))
+    assert a == b
+    compile(a, f"{ctx['name']}.py", "exec")
+    lit = _module_literals(a)
+    assert lit["PARAMS"]["with_delta"] is True
+    args = lit["ARGS"]
+    names = [x["name"] for x in args]
+    want = ["x", "cu_seqlens", "o", "codes", "scales", "codes_t"]
+    if ctx["granularity"] == "tensor":
+        want.append("amax_ws")
+    assert names == want + ["delta", "dq_accum"]
+    roles = {x["name"]: (x["dtype"], x["role"]) for x in args}
+    assert roles["o"] == ("bfloat16", "in")
+    assert roles["delta"] == ("float32", "out") and roles["dq_accum"] == ("float32", "out")
+    T, H, D = 37, 3, ctx["head_dim"]
+    shapes = {x["name"]: shape_of(x["shape"], T, H, D, 5) for x in args}
+    assert shapes["o"] == (T, H, D) and shapes["delta"] == (H, T) and shapes["dq_accum"] == (T, H, D)
+    # the launcher and the fake compile args follow ARGS
+    assert "mX: cute.Tensor, mCu: cute.Tensor, mO: cute.Tensor, mCodes" in a
+    assert "mDelta: cute.Tensor, mDqAcc: cute.Tensor," in a
+    assert "args = (x, cu, o, codes, scales, codes_t" in a and "delta, dq_accum, stream)" in a
+
+
+@pytest.mark.parametrize("ctx", REPRESENTATIVE, ids=lambda c: c["name"])
+def test_plain_variants_unchanged_by_delta(ctx):
+    """with_delta=False renders exactly as before the flag existed (PARAMS aside): the 40
+    sm90 variants verified on the H200 keep their kernels."""
+    a = render(ctx)
+    b = render(dict(ctx, with_delta=False))
+    assert a == b
+    lit = _module_literals(a)
+    assert lit["PARAMS"]["with_delta"] is False
+    assert not {"o", "delta", "dq_accum"} & {x["name"] for x in lit["ARGS"]}
+    for marker in ("mDelta", "mDqAcc", "lane_delta", "group_sum", "dec_e"):
+        assert marker not in a
+
+
+@pytest.mark.parametrize("kw", [dict(fmt="e2m1", granularity="nvfp4"), dict(hadamard=True)])
+def test_delta_render_refuses_fp4_and_hadamard(kw):
+    with pytest.raises(jinja2.UndefinedError, match="with_delta_needs_an_8bit_format_without_hadamard"):
+        render(make_context(with_delta=True, **kw))
+
+
+def _delta_args():
+    return _module_literals(render(make_context("sm90", "e4m3", "token", "ceil", with_delta=True)))["ARGS"]
+
+
+def test_allocate_outputs_delta_poison():
+    outs = allocate_outputs(_delta_args(), 5, 2, 128, 1, "cpu", poison=True)
+    assert set(outs) == {"codes", "scales", "codes_t", "delta", "dq_accum"}
+    assert outs["delta"].shape == (2, 5) and outs["delta"].dtype == torch.float32
+    assert outs["dq_accum"].shape == (5, 2, 128) and outs["dq_accum"].dtype == torch.float32
+    assert (outs["dq_accum"].view(torch.int32) == 0xABABABAB - 2 ** 32).all()  # the kernel must zero it
+    assert (outs["delta"].view(torch.int32) == 0xABABABAB - 2 ** 32).all()
+
+
+def test_run_quantizer_passes_o_in_args_order():
+    from flamia_gen.runtime.quant import run_quantizer, takes_o
+
+    args = _delta_args()
+    assert takes_o(args) and not takes_o(_module_literals(render(make_context()))["ARGS"])
+    x, o, cu = _x(T=8, H=2), torch.ones(8, 2, 128, dtype=torch.bfloat16), _cu(0, 3, 8)
+    seen = []
+    outs = run_quantizer(lambda *t: seen.extend(t), args, x, cu, o=o)
+    assert [tuple(t.shape) for t in seen] == [(8, 2, 128), (3,), (8, 2, 128), (8, 2, 128), (8, 2), (2, 128, 16),
+                                              (2, 8), (8, 2, 128)]
+    assert seen[0] is x and seen[1] is cu and seen[2] is o
+    assert seen[6] is outs["delta"] and seen[7] is outs["dq_accum"]
+
+
+@pytest.mark.parametrize("o, match", [
+    (None, "dO launch .*pass o"),
+    (torch.ones(8, 2, 128, dtype=torch.float32), "o must be bfloat16"),
+    (torch.ones(8, 2, 64, dtype=torch.bfloat16), r"o has shape \(8, 2, 64\)"),
+    (torch.ones(8, 128, 2, dtype=torch.bfloat16).transpose(1, 2), "o must be contiguous"),
+    ("o", "o must be a torch.Tensor"),
+])
+def test_run_quantizer_delta_input_errors(o, match):
+    from flamia_gen.runtime.quant import run_quantizer
+
+    with pytest.raises(ValueError, match=match):
+        run_quantizer(lambda *t: None, _delta_args(), _x(T=8, H=2), _cu(0, 8), o=o)
+
+
+def test_run_quantizer_refuses_o_for_plain_variant():
+    from flamia_gen.runtime.quant import run_quantizer
+
+    args = _module_literals(render(make_context()))["ARGS"]
+    with pytest.raises(ValueError, match="does not take it"):
+        run_quantizer(lambda *t: None, args, _x(T=8, H=2), _cu(0, 8), o=torch.ones(8, 2, 128, dtype=torch.bfloat16))
+
+
+DELTA_COMPILE_CASES = [
+    make_context("sm90", "e4m3", "token_block", "ceil", False, 128, 64, 1, with_delta=True),
+    make_context("sm100", "e5m2", "tensor", "ceil", False, 64, 32, 1, with_delta=True),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+@pytest.mark.parametrize("ctx", DELTA_COMPILE_CASES, ids=lambda c: c["name"])
+def test_compile_delta_variant(ctx, tmp_path):
+    res = _compile(ctx, tmp_path)
+    assert res["ok"] and res["o_bytes"] > 0
+    ptx = res["ptx"]
+    assert f".target {ctx['cute_arch']}" in ptx
+    fmt = ctx["fmt"]
+    assert f"cvt.rn.satfinite.{fmt}x2.f32" in ptx and f"cvt.rn.f16x2.{fmt}x2" in ptx  # encode, exact decode
+    assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx and "shfl.sync.bfly" in ptx
+    assert "fma.rn.f32" not in ptx and ".ftz" not in ptx  # mul + add, never contracted, subnormals kept
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # x and o loads; codes and dq_accum stores
+
+
+def _emulator_kernel(oq, zero_dq=True, sum_delta=False):
+    """A stand-in kernel on CPU: fills the delta ARGS outputs from the emulator."""
+    from flamia_gen.numerics import delta_from_quantized, quantize
+
+    def fn(x, cu, o, codes, scales, codes_t, delta, dq_accum):
+        q = quantize(x, oq, cu)
+        codes.copy_(q.codes), scales.copy_(q.scales), codes_t.copy_(q.codes_t)
+        if sum_delta:  # a plain sum: right value, wrong order
+            delta.copy_((q.dequantize() * o.float()).sum(-1).T)
+        else:
+            delta.copy_(delta_from_quantized(q, o))
+        if zero_dq:
+            dq_accum.zero_()
+    return fn
+
+
+@pytest.mark.parametrize("zero_dq, sum_delta, bad", [(True, False, set()), (False, False, {"dq_accum"}),
+                                                     (True, True, {"delta"})])
+def test_verify_quantizer_delta_fields_on_cpu(monkeypatch, zero_dq, sum_delta, bad):
+    import flamia_gen.verify.quant_gpu as vq
+    from flamia_gen.spec.route import OperandQuant
+
+    real_make_input, real_make_o = vq.make_input, vq.make_o
+    monkeypatch.setattr(vq, "make_input", lambda *a, **k: real_make_input(*a, **dict(k, device="cpu")))
+    monkeypatch.setattr(vq, "make_o", lambda *a, **k: real_make_o(*a, **dict(k, device="cpu")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    oq = OperandQuant(format="e4m3", granularity="token", exponent_rule="ceil")
+    rows = vq.verify_quantizer(_emulator_kernel(oq, zero_dq, sum_delta), _delta_args(), oq, T=300, H=2, D=128)
+    fields = {r["field"] for r in rows}
+    assert {"codes", "scales", "codes_t", "delta", "dq_accum"} == fields
+    assert len(rows) == 5 * len(vq.KINDS)
+    failing = {r["field"] for r in rows if not r["ok"]}
+    assert failing == bad
+    # NaN rows (nan_inf input) compare equal whatever their payload
+    assert all(r["ok"] for r in rows if r["field"] == "delta" and r["kind"] == "nan_inf") or "delta" in bad

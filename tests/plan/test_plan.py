@@ -101,3 +101,66 @@ def test_attention_family_expansion_and_pruning(tmp_path):
     ctx = v.context
     assert ctx["q_fmt"] == "e4m3" and ctx["v_gran"] == "token" and ctx["p_static_exponent"] == 8
     assert ctx["causal"] is True and ctx["route"] == "fp8_token"
+
+
+# ----------------------------------------------------------------------------- dO launch (with_delta)
+def test_procedural_name_delta_part():
+    p = dict(head_dim=128, tokens_per_cta=32, heads_per_cta=1)
+    assert (procedural_name(KernelKind.quant, Arch.sm90, "e4m3_tok_ceil", dict(p, with_delta=True))
+            == "quant_sm90_e4m3_tok_ceil_delta_d128_t32_h1")
+    assert (procedural_name(KernelKind.quant, Arch.sm90, "e4m3_tok_ceil", dict(p, with_delta=False))
+            == "quant_sm90_e4m3_tok_ceil_d128_t32_h1")
+
+
+@pytest.mark.parametrize("arch, n_delta", [("sm90", 20), ("sm100", 14)])
+def test_plan_delta_variants_serve_do_only(specs, arch, n_delta):
+    plan = make_plan(specs, arch=arch)
+    quant = [v for v in plan.variants if v.kind is KernelKind.quant]
+    by_name = {v.name: v for v in quant}
+    delta = [v for v in quant if v.param("with_delta")]
+    assert len(delta) == n_delta
+    assert all(isinstance(v.param("with_delta"), bool) for v in quant)  # every quant variant says it
+    fam = specs.families[f"quant_{arch}"]
+    want_do = {f"{r}.do" for r in fam.routes if specs.routes[r].operands.do.quantized}
+    for v in delta:
+        assert "_delta_d" in v.name and v.route == v.param("quant") + "_delta"
+        assert v.uses and all(u.endswith(".do") for u in v.uses)
+        assert v.param("fmt") in ("e4m3", "e5m2") and not v.param("hadamard") and v.param("write_transposed")
+        # the plain twin exists (same point, same representation) and still lists the dO uses
+        twin = by_name[v.name.replace("_delta_", "_")]
+        assert dict(twin.params) == dict(v.params, with_delta=False)
+        assert set(v.uses) <= set(twin.uses)
+        assert v.spec_hash != twin.spec_hash
+    for d in fam.head_dims:
+        served = {u for v in delta if v.param("head_dim") == d for u in v.uses}
+        assert served == want_do
+    names = [v.name for v in quant if not v.param("with_delta")]
+    assert not any("delta" in n for n in names)
+    t = by_name[f"quant_{arch}_e4m3_tok_ceil_delta_d128_t32_h1"]
+    assert t.uses == ("fp8_token.do", "fp8_token_hadamard.do")
+    assert by_name[f"quant_{arch}_e5m2_tsr_ceil_delta_d64_t32_h1"].uses == ("fp8_tensor.do",)
+    assert by_name[f"quant_{arch}_e4m3_tb32_ceil_delta_d128_t32_h1"].uses == (
+        "mxfp8.do", "mxfp8_exact.do", "nvfp4_mixed.do")
+    # representations only q/k use get no delta variant
+    assert not any(v.param("quant") in ("e2m1_nvfp4", "e4m3_tok_ceil_had") for v in delta)
+
+
+def test_delta_variants_are_their_own_tuning_groups(specs):
+    from flamia_gen.dispatch.defaults import plan_groups
+
+    groups = plan_groups(make_plan(specs, arch="sm90", kinds=[KernelKind.quant]), specs)
+    g = groups["quant/e4m3_tok_ceil_delta/d128"]
+    assert g.default == "quant_sm90_e4m3_tok_ceil_delta_d128_t32_h1"
+    assert all("_delta_" in n for n in g.candidates)
+    assert not any("_delta_" in n for n in groups["quant/e4m3_tok_ceil/d128"].candidates)
+
+
+def test_delta_refused_for_hadamard_or_fp4_do():
+    # the spec layer already forbids a Hadamard dO; the plan refuses both by itself too
+    from flamia_gen.plan.variants import _delta_supported
+
+    assert _delta_supported(_oq(granularity="token")) == (True, "")
+    ok, why = _delta_supported(_oq(granularity="token", hadamard=True))
+    assert not ok and "Hadamard" in why
+    ok, why = _delta_supported(OperandQuant(format="e2m1", granularity="nvfp4", block=16))
+    assert not ok and "E2M1" in why

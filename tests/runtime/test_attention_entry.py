@@ -30,3 +30,15 @@ def test_verify_maps_variant_to_its_representation():
     assert oq == get_route("mxfp8").operands.q
     with pytest.raises(ValueError, match="differs"):
         _operand_quant_of({"name": "x", "uses": ["mxfp8.q", "fp8_token.q"]})
+
+
+def test_per_token_scales_layouts():
+    from flamia_gen.runtime.attention import per_token_scales
+
+    x = torch.zeros(5, 3, 128)
+    s = torch.arange(15, dtype=torch.uint8).reshape(5, 3)
+    assert torch.equal(per_token_scales(s, x), s)
+    t = per_token_scales(torch.tensor([130], dtype=torch.uint8), x)
+    assert t.shape == (5, 3) and t.is_contiguous() and bool((t == 130).all())
+    with pytest.raises(ValueError, match="per-token or tensor"):
+        per_token_scales(torch.zeros(5, 3, 4, dtype=torch.uint8), x)

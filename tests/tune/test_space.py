@@ -34,7 +34,7 @@ def test_presets_and_dedup():
 def test_groups_by_route_name_or_tag(sm90):
     specs, plan = sm90
     by_name = select_groups(plan, specs, kinds=["quant"], routes=["mxfp8"])
-    assert {g.route for g in by_name} == {"e4m3_tb32_ceil"}
+    assert {g.route for g in by_name} == {"e4m3_tb32_ceil", "e4m3_tb32_ceil_delta"}  # + the dO launch
     by_tag = select_groups(plan, specs, kinds=["quant"], routes=["e4m3_tsr_ceil"], head_dims=[64])
     assert [g.key for g in by_tag] == ["quant/e4m3_tsr_ceil/d64"]
     assert by_tag[0].candidates == ("quant_sm90_e4m3_tsr_ceil_d64_t32_h1",)  # pruned points never offered
@@ -44,7 +44,7 @@ def test_groups_by_route_name_or_tag(sm90):
 
 def test_one_study_per_group_and_bucket(sm90):
     specs, plan = sm90
-    groups = select_groups(plan, specs, kinds=["quant"], routes=["mxfp8"], head_dims=[128])
+    groups = select_groups(plan, specs, kinds=["quant"], routes=["e4m3_tb32_ceil"], head_dims=[128])
     studies = make_study_specs(groups, parse_workloads("paper"), gpu="NVIDIA H200", trials=2)
     # quantizer buckets by T: 16384 (4x4096 first), 65536 (8x8192 first), 131072 (1x131072 first)
     assert [(s.bucket["tokens"], s.workload.label) for s in studies] == [

@@ -27,7 +27,9 @@ def run(monkeypatch, tmp_path):
     return lambda *a: r.invoke(main, list(a), catch_exceptions=False)
 
 
-FAKE = ("--arch", "sm90", "--runner", "fake", "--route", "mxfp8", "--head-dim", "128", "--workloads", "4x1024,1x65536")
+# one group: the representation tag (the route name mxfp8 also selects its dO launch, e4m3_tb32_ceil_delta)
+FAKE = ("--arch", "sm90", "--runner", "fake", "--route", "e4m3_tb32_ceil", "--head-dim", "128",
+        "--workloads", "4x1024,1x65536")
 
 
 @pytest.mark.parametrize("cmd", [["tune"], ["freeze"], ["table"], ["table", "show"], ["table", "check"],
