@@ -135,13 +135,15 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         c_ref = float(cosine(o.float(), exact.float()))
         lse_k = lse.transpose(0, 1) if lse.shape[0] == hq else lse
         fin = torch.isfinite(emu_lse)
-        lse_err = float((lse_k[fin] - emu_lse[fin]).abs().max()) if fin.any() else 0.0
+        # relative to the row's LSE: outlier rows reach logits of several hundred
+        lse_err = float(((lse_k[fin] - emu_lse[fin]).abs() / emu_lse[fin].abs().clamp_min(1.0)).max()) \
+            if fin.any() else 0.0
         lse_inf_ok = bool((torch.isinf(lse_k) == torch.isinf(emu_lse)).all())
         need_ref = FP32_COSINE_8BIT if route.quantized else 0.99999
-        ok = nan == 0 and c_emu >= EMULATOR_COSINE[kind] and (kind == "outlier" or c_ref >= need_ref) and lse_err < 1e-2 \
+        ok = nan == 0 and c_emu >= EMULATOR_COSINE[kind] and (kind == "outlier" or c_ref >= need_ref) and lse_err < 2e-3 \
             and lse_inf_ok
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
-                   nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_abs_err=lse_err, lse_inf_ok=lse_inf_ok)
+                   nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_rel_err=lse_err, lse_inf_ok=lse_inf_ok)
         if probe and kind == "gauss" and causal:
             row.update(probe_kernel(fn, entry, route, q, k, v, cu))
             if route.exact:

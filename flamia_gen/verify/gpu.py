@@ -76,7 +76,7 @@ def render_attn_table(rows: list[dict]) -> Table:
         probe = "" if "probe_max_rel_change" not in r else f"{r['probe_max_rel_change']:.2e}"
         t.add_row(r["variant"], str(r.get("kind")), "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
                   f"{r.get('cos_emulator', float('nan')):.6f}", f"{r.get('cos_fp32', float('nan')):.6f}",
-                  f"{r.get('lse_max_abs_err', float('nan')):.1e}", str(r.get("nan", "")), probe,
+                  f"{r.get('lse_max_rel_err', float('nan')):.1e}", str(r.get("nan", "")), probe,
                   str(r.get("error", ""))[:200])
     return t
 

@@ -42,3 +42,17 @@ def test_per_token_scales_layouts():
     assert t.shape == (5, 3) and t.is_contiguous() and bool((t == 130).all())
     with pytest.raises(ValueError, match="per-token or tensor"):
         per_token_scales(torch.zeros(5, 3, 4, dtype=torch.uint8), x)
+
+
+def test_work_list_cache_follows_the_tensor_not_its_memory():
+    from flamia_gen.runtime.attention import _work_list
+
+    params = {"tile_m": 128, "tile_n": 128, "causal": True}
+    cu = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    w1 = _work_list(cu, 1000, params)
+    assert _work_list(cu, 1000, params) is w1  # same live, unmodified tensor: reused
+    cu[1] = 500  # in-place change bumps the version: rebuilt
+    w2 = _work_list(cu, 1000, params)
+    assert w2 is not w1 and not torch.equal(w1, w2)
+    other = torch.tensor([0, 500, 1000], dtype=torch.int32)
+    assert torch.equal(_work_list(other, 1000, params), w2)

@@ -50,7 +50,7 @@ def test_two_workers_on_one_gpu_share_one_study(bundle_dir, tmp_path):
         main.add_command(c)
     url = f"sqlite:///{tmp_path / 'gpu.db'}"
     out = tmp_path / "table.json"
-    args = ["tune", "--arch", "sm90", "--bundle", bundle_dir, "--route", "mxfp8", "--head-dim", "128",
+    args = ["tune", "--arch", "sm90", "--bundle", bundle_dir, "--route", "e4m3_tb32_ceil", "--head-dim", "128",
             "--workloads", "4x4096,1x65536", "--storage", url, "--workers", "2", "--device-ids", "0,0"]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
