@@ -33,11 +33,21 @@ def _bundle(path: str) -> Bundle:
     return load_bundle(path)
 
 
-def _current_bundle() -> Bundle:
+def _current_bundle(route: str | None = None) -> Bundle:
+    """The bundle in $FLAMIA_GEN_BUNDLE; without one, JIT through the DSL when it is
+    installed (the route's kernels are built, cached and packed once)."""
     path = os.environ.get("FLAMIA_GEN_BUNDLE")
-    if not path:
-        raise NoKernelError("no kernels: set FLAMIA_GEN_BUNDLE to a bundle made by `flamia-gen bundle --arch sm90`")
-    return _bundle(str(Path(path).resolve()))
+    if path:
+        return _bundle(str(Path(path).resolve()))
+    from ..build.toolchain import dsl_available
+
+    if route is None or not dsl_available():
+        raise NoKernelError("no kernels: set FLAMIA_GEN_BUNDLE to a bundle made by `flamia-gen bundle --arch sm90`"
+                            + ("" if dsl_available() else " (nvidia-cutlass-dsl is not installed, so no JIT either)"))
+    from .jit import jit_bundle
+
+    b = jit_bundle(route, ARCH)
+    return _bundle(str(b.root.resolve()))
 
 
 @lru_cache(maxsize=2)
@@ -46,7 +56,16 @@ def _dispatcher(gpu: str) -> Dispatcher:
 
 
 def available_routes() -> list[str]:
-    """Routes whose forward kernels are in the bundle (causal variants)."""
+    """Routes with forward kernels: those in the bundle, or (JIT) those the specs build."""
+    if not os.environ.get("FLAMIA_GEN_BUNDLE"):
+        from ..build.toolchain import dsl_available
+
+        if dsl_available():
+            from ..plan import make_plan
+            from ..spec import KernelKind, load_specs
+
+            plan = make_plan(load_specs(), arch=ARCH, kinds=[KernelKind.attn_fwd])
+            return sorted({v.route for v in plan.variants})
     b = _current_bundle()
     return sorted({v["uses"][0] for v in b.manifest["variants"] if v["kind"] == "attn_fwd"})
 
@@ -127,7 +146,7 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     T, HQ, D = q.shape
     if D not in (64, 128):
         raise ValueError(f"head dim {D}: unsupported on sm90 (64 or 128)")
-    b = _current_bundle()
+    b = _current_bundle(route)
     # document profile without a host sync: the caller's max_seqlen and the static sizes
     profile = DocProfile(tokens=T, num_docs=max(1, cu_seqlens.numel() - 1), max_len=int(max_seqlen))
     root = str(b.root)

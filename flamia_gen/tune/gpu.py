@@ -136,10 +136,59 @@ class QuantHook:
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 
+class AttnFwdHook:
+    """The attention forward: verified against the emulator and fp32 (and the leakage
+    probe on exact routes) before it may be timed; timed kernel-only on the bucket's
+    representative packed row, inputs pre-quantized by the emulator (bitwise what the
+    quantizer kernels write)."""
+
+    kind = "attn_fwd"
+
+    def verify(self, bundle, entry: dict, device: int) -> tuple[bool, str]:
+        import torch
+
+        try:
+            with torch.cuda.device(device):
+                from ..verify.attn_gpu import verify_attn_entry
+
+                rows = verify_attn_entry(bundle, entry, kinds=("gauss", "tiny_docs"))
+        except Exception as e:
+            return False, f"{type(e).__name__}: {e}"[:300]
+        bad = [r for r in rows if not r.get("ok")]
+        if not bad:
+            return True, ""
+        r = bad[0]
+        return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
+                       f"nan={r.get('nan')} probe={r.get('probe_max_rel_change')}")
+
+    def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
+        import torch
+
+        from ..runtime.attn_fwd import run_attn_fwd
+        from ..spec import get_route
+        from ..verify.attn_gpu import kernel_inputs, make_qkv
+
+        dev = torch.device("cuda", device)
+        with torch.cuda.device(device):
+            fn = bundle.get(entry["name"])
+            route = get_route(entry["uses"][0])
+            lens = [b - a for a, b in zip(workload.cu_seqlens()[:-1], workload.cu_seqlens()[1:])]
+            g = torch.Generator().manual_seed(0)
+            calls = []
+            for _ in range(2):  # two input sets: L2 (60 MB) does not hold the working set
+                q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
+                                       dev)
+                ins = kernel_inputs(route, q, k, v, cu)
+                calls.append(lambda ins=ins, cu=cu: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
+                                                                  params=entry["params"], **ins))
+            return time_cuda(calls, warmup=warmup, repeats=repeats)
+
+
 def default_hooks() -> dict:
-    return {"quant": QuantHook()}
+    return {"quant": QuantHook(), "attn_fwd": AttnFwdHook()}
 
 
-KIND_HOOKS = ("quant",)
+KIND_HOOKS = ("quant", "attn_fwd")
 
-__all__ = ["cuda_driver_version", "gpu_info", "l2_bytes", "time_cuda", "QuantHook", "default_hooks", "KIND_HOOKS"]
+__all__ = ["cuda_driver_version", "gpu_info", "l2_bytes", "time_cuda", "QuantHook", "AttnFwdHook", "default_hooks",
+           "KIND_HOOKS"]

@@ -11,9 +11,17 @@ def _qkv(T=64, H=2, D=128):
 
 
 def test_no_bundle_is_a_clear_error(monkeypatch):
+    import flamia_gen.build.toolchain as tc
+
     monkeypatch.delenv("FLAMIA_GEN_BUNDLE", raising=False)
-    with pytest.raises(NoKernelError, match="FLAMIA_GEN_BUNDLE"):
+    monkeypatch.setattr(tc, "dsl_available", lambda: False)
+    with pytest.raises(NoKernelError, match="FLAMIA_GEN_BUNDLE.*no JIT"):
         available_routes()
+
+
+def test_without_bundle_the_dsl_serves_every_planned_route(monkeypatch):
+    monkeypatch.delenv("FLAMIA_GEN_BUNDLE", raising=False)
+    assert {"bf16", "fp8_token"} <= set(available_routes())
 
 
 def test_cpu_tensors_and_bad_head_dim_are_refused():
@@ -56,3 +64,21 @@ def test_work_list_cache_follows_the_tensor_not_its_memory():
     assert w2 is not w1 and not torch.equal(w1, w2)
     other = torch.tensor([0, 500, 1000], dtype=torch.int32)
     assert torch.equal(_work_list(other, 1000, params), w2)
+
+
+@pytest.mark.compile
+def test_jit_bundle_builds_a_routes_kernels_once(monkeypatch, tmp_path):
+    """No bundle + the DSL installed: the route's kernels are compiled, packed and loaded
+    (fixture templates keep this fast); a second call reuses the packed bundle."""
+    from pathlib import Path
+
+    from flamia_gen.runtime.jit import jit_bundle
+
+    monkeypatch.setenv("FLAMIA_GEN_TEMPLATES", str(Path(__file__).resolve().parents[1] / "fixtures" / "templates"))
+    monkeypatch.setenv("FLAMIA_GEN_CACHE", str(tmp_path / "cache"))
+    b = jit_bundle("bf16")
+    names = sorted(b.variants)
+    assert names and all(n.startswith("attn_fwd_sm90_bf16_") for n in names)
+    assert b.get(names[0]) is not None
+    again = jit_bundle("bf16")
+    assert again.root == b.root and sorted(again.variants) == names

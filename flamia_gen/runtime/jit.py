@@ -1,0 +1,40 @@
+"""Just-in-time kernels on a host that has the DSL compiler and no bundle: build the
+variants a route needs (cached, content-addressed) and pack them into a bundle under the
+build cache, then load it like any other bundle. The first call of a route pays the
+compile (seconds per variant); later calls and processes hit the cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def jit_bundle(route: str, arch: str = "sm90", jobs: int = 2):
+    from ..build.builder import build_all
+    from ..build.bundle import write_bundle
+    from ..build.cache import BuildCache
+    from ..build.toolchain import dsl_available
+    from ..plan import make_plan
+    from ..render import render_variant
+    from ..spec import load_specs
+    from .bundle import load_bundle, read_manifest
+
+    if not dsl_available():
+        raise RuntimeError("no bundle given (FLAMIA_GEN_BUNDLE) and nvidia-cutlass-dsl is not installed: "
+                           "build one elsewhere with `flamia-gen bundle --arch sm90` and point FLAMIA_GEN_BUNDLE at it")
+    plan = make_plan(load_specs(), arch=arch, routes=[route])
+    variants = [v for v in plan.variants if v.kind.value in ("quant", "attn_fwd")]
+    digest = hashlib.sha256("".join(render_variant(v) for v in variants).encode()).hexdigest()[:16]
+    cache = BuildCache()
+    out = Path(cache.root) / "jit-bundles" / f"{arch}-{route}-{digest}"
+    try:
+        read_manifest(out)
+        return load_bundle(out)
+    except Exception:
+        pass
+    results = build_all(variants, jobs=jobs, cache=cache)
+    failed = [r.name for r in results if r.status == "failed"]
+    if failed:
+        raise RuntimeError(f"JIT build of route {route!r} failed for {failed[:3]} (see `flamia-gen build --arch {arch}`)")
+    write_bundle(out, arch, variants, results, cache)
+    return load_bundle(out)
