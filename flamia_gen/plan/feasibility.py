@@ -80,3 +80,39 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     if smem > SMEM_LIMIT[arch]:
         return False, f"shared memory {smem} B > {SMEM_LIMIT[arch]} B"
     return True, ""
+
+
+def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
+    """Backward (key tile outer): K and V (and, FP8, Kᵀ) once per unit; per stage Q and dO (FP8:
+    also their K-major copies Qᵀ, dOᵀ); dS double-buffered for dQ = dS·K; row factors, amax."""
+    d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
+    kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
+    per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
+    ds = 2 * m * n * elem_bytes
+    return kv + st * per_stage + ds + 2 * 4 * m + 1024
+
+
+def check_attn_bwd(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
+    """The backward splits the *key* tile over the consumer warpgroups (64 keys each) and runs
+    64-row query tiles inside: accumulators per thread are dV, dK (D/2 each), Sᵀ, dPᵀ (tile_m/2
+    each) and dQ (tile_m·D / (128·WG)), FA3's hdim-128 shape at 64×128 and 2 warpgroups."""
+    d, m, n = params["head_dim"], params["tile_m"], params["tile_n"]
+    wg = params["compute_warpgroups"]
+    if n != WGMMA_M * wg:
+        return False, f"tile_n={n} must be 64 × compute_warpgroups ({wg}): each warpgroup owns 64 keys"
+    if m % 64:
+        return False, f"tile_m={m}: query tiles are multiples of 64 (one wgmma N per 64 queries)"
+    if elem_bytes == 1 and (m % 32 or n % 32):
+        return False, f"tile {m}×{n}: FP8 dV/dK contract over queries and dQ over keys in k-steps of 32"
+    if params["intra_wg_overlap"]:
+        return False, "intra_wg_overlap is not implemented by the backward template"
+    if d % (16 * wg):
+        return False, f"head_dim={d}: dQ's N (= D) is split over {wg} warpgroups"
+    # dQ's accumulator (tile_m·D / (128·WG)) lives after Sᵀ/dPᵀ are converted: it reuses them
+    live = d + max(m, (m * d) // (128 * wg)) + 40
+    if live > CONSUMER_REGS:
+        return False, f"~{live} live registers per consumer thread > {CONSUMER_REGS}"
+    smem = attn_bwd_smem_bytes(params, elem_bytes)
+    if smem > SMEM_LIMIT[arch]:
+        return False, f"shared memory {smem} B > {SMEM_LIMIT[arch]} B"
+    return True, ""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..spec import Arch, Format, Granularity, KernelFamily, KernelKind, Operand, Route, SpecSet
 from ..spec.route import operand_quant
-from .feasibility import check_attn, check_quant
+from .feasibility import check_attn, check_attn_bwd, check_quant
 from .naming import procedural_name
 
 
@@ -138,7 +138,8 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
                 name = procedural_name(fam.kind, fam.arch, route.name, params)
                 if not params["causal"]:
                     name += "_noncausal"
-                ok, reason = check_attn(fam.arch, 2 if route.operands.q.format is Format.bf16 else 1, params)
+                check = check_attn_bwd if fam.kind is KernelKind.attn_bwd else check_attn
+                ok, reason = check(fam.arch, 2 if route.operands.q.format is Format.bf16 else 1, params)
                 if not ok:
                     plan.pruned.append(Pruned(name, fam.name, reason))
                     continue

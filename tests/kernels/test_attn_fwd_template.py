@@ -46,7 +46,7 @@ def _literals(src: str) -> dict:
 def test_spec_has_four_compilable_variants():
     names = {v.name for v in VARIANTS}
     assert len(names) >= 4
-    assert any(v.route == "fp8_token" for v in VARIANTS) and any(v.route == "bf16" for v in VARIANTS)
+    assert any(v.param("q_fmt") == "e4m3" for v in VARIANTS) and any(v.route == "bf16" for v in VARIANTS)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -59,7 +59,7 @@ def test_render_deterministic_and_parses(v):
     assert lit["PARAMS"]["tile_n"] == v.param("tile_n")
     names = [x["name"] for x in lit["ARGS"]]
     tail = ["cu_seqlens", "work", "softmax_scale", "o", "lse"]
-    if v.route == "fp8_token":
+    if v.param("q_fmt") == "e4m3":
         assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + tail
         assert "QGMMA" not in a  # sanity: the source is DSL, not SASS
     else:
@@ -169,7 +169,7 @@ def test_check_inputs_head_dim_mismatch_and_bf16_scales():
 
 def test_run_attn_fwd_calls_in_args_order():
     """A fake tvm-ffi function records what the wrapper passes, in ARGS order."""
-    v = next(v for v in VARIANTS if v.route == "fp8_token")
+    v = next(v for v in VARIANTS if v.param("q_fmt") == "e4m3")
     lit = _literals(render_variant(v))
     seen = []
 
@@ -221,7 +221,7 @@ def _compile_variant(v, tmp_path: Path) -> str:
 @pytest.mark.compile
 @pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
 def test_compile_fp8_token_variant(tmp_path):
-    v = next(v for v in VARIANTS if v.route == "fp8_token" and "_ovl_" in v.name and not v.name.endswith("_noncausal"))
+    v = next(v for v in VARIANTS if v.param("q_fmt") == "e4m3" and "_ovl_" in v.name and not v.name.endswith("_noncausal"))
     ptx = _compile_variant(v, tmp_path)
     n = v.param("tile_n")
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ptx  # QKᵀ
@@ -262,7 +262,7 @@ def _key_tiling_fn(src: str):
     return ns["key_tiling"], consts
 
 
-@pytest.mark.parametrize("v", [v for v in VARIANTS if v.route == "fp8_token"], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.param("q_fmt") == "e4m3"], ids=lambda v: v.name)
 def test_fp8_vt_tma_never_offset_by_doc_start_on_its_contiguous_axis(v):
     src = render_variant(v)
     assert "domain_offset((0, doc_start)" not in src
@@ -282,7 +282,7 @@ def test_key_tiling_aligned_and_covers_and_masks(v):
     key_tiling, c = _key_tiling_fn(render_variant(v))
     causal = v.param("causal")
     tm, tn, align = c["TILE_M"], c["TILE_N"], c["KEY_ALIGN"]
-    fp8 = v.route == "fp8_token"
+    fp8 = v.param("q_fmt") == "e4m3"
     assert align == (16 if fp8 else 1)
     g = torch.Generator().manual_seed(1)
     starts = [0, 1, 3, 6, 15, 16, 17, 1000, 1024, 1300, 4099] + torch.randint(0, 10 ** 6, (40,), generator=g).tolist()
@@ -330,7 +330,7 @@ def _module_fns(src: str, names):
     return [ns[n] for n in names]
 
 
-_FP8 = [v for v in VARIANTS if v.route == "fp8_token"]
+_FP8 = [v for v in VARIANTS if v.param("q_fmt") == "e4m3"]
 _HELPERS = ("key_of_col", "col_of_key", "scale_word", "p_pack")
 
 
