@@ -257,3 +257,17 @@ def test_dispatch_imports_without_optuna_or_torch():
             "bad = [m for m in ('optuna', 'torch') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
+
+
+def test_shipped_h200_table_is_current_and_answers_lookups():
+    """The GPU-tuned table must match the installed specs: a spec change that makes it
+    stale has to come with a re-tune on the H200 (`flamia-gen tune` + `freeze`)."""
+    p = REPO / "tuning_db" / "sm90-h200.json"
+    table, why = tb.load_table(p, tb.installed_expectation("sm90", "NVIDIA H200"))
+    assert why is None, why
+    assert table["_metadata"]["gpu"] == "NVIDIA H200" and not table["_metadata"]["untuned"]
+    d = tb.decide(table, "sm90", "quant", "e4m3_tok_ceil", 128, None, [0, 16384, 32768, 49152, 65536])
+    assert d.source == "exact" and d.variant.startswith("quant_sm90_e4m3_tok_ceil_d128_")
+    # a bucket that was not tuned answers from the nearest tuned one, never from nothing
+    d = tb.decide(table, "sm90", "quant", "e4m3_tok_ceil", 128, None, [0, 100])
+    assert d.source in ("nearest", "default") and d.variant.startswith("quant_sm90_e4m3_tok_ceil_d128_")

@@ -1,0 +1,200 @@
+"""Host side of the sm90 attention backward (`templates/sm90/attn_bwd.py.j2`). COMPILE-ONLY so far:
+the kernel has never run on a GPU (docs/kernels/attn_bwd.md).
+
+Needs only torch (no CuTe DSL): builds the longest-first work list of key tiles on the device
+with torch ops (no host synchronisation, so a call is CUDA-graph capturable), checks inputs
+cheaply, allocates dK, dV, calls the ahead-of-time compiled tvm-ffi function and converts the
+fp32 dQ accumulator (reduce-added by the kernel) to BF16 dQ with one torch op.
+
+Work list: one row (doc, n_block, 0) per document key tile, sorted by descending work (query
+tiles the key tile visits), padded with (-1, -1, -1) to NUM_WORK = ceil(T / tile_n) + 2·NUM_DOCS
+(FP8 tiles start at doc_start rounded down to 16, which can add one key tile per document).
+A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
+summed over the GQA group in registers and written once (deterministic); dQ partials are
+reduce-added with fp32 atomics (not deterministic in the last bits; see the design doc).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (128,)
+_FP8_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def num_work(T: int, num_docs: int, tile_n: int) -> int:
+    """Static upper bound on the number of (document, key tile) items (any key alignment ≤ tile_n)."""
+    return -(-T // tile_n) + 2 * num_docs
+
+
+def bwd_tiles(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, key_align: int):
+    """Per document (on the device, int64): (delta, key tiles, query tiles) exactly as the kernel's
+    `bwd_tiling`: tiles start at doc_start − delta, delta = doc_start mod key_align."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).clamp(min=0)
+    delta = cu[:-1] % key_align
+    nkt = torch.where(lens > 0, (lens + delta + tile_n - 1) // tile_n, torch.zeros_like(lens))
+    nqt = (lens + delta + tile_m - 1) // tile_m
+    return lens, delta, nkt, nqt
+
+
+def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
+                   T: int | None = None) -> torch.Tensor:
+    """int32 (NUM_WORK, 3) work list (doc, n_block, 0), longest first, on cu_seqlens' device.
+
+    Work of an item = query tiles m_lo … m_hi − 1 its key tile visits (causal: from the tile of the
+    key tile's first key; non-causal: all). Ties keep (doc, n_block) order; padding (-1, -1, -1)
+    last. `T` sizes the list without reading cu_seqlens back (left out: a host sync on a GPU)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens: must be 1-D with at least 2 entries (num_docs + 1)")
+    if tile_m <= 0 or tile_n <= 0:
+        raise ValueError(f"tile_m, tile_n: must be positive, got {tile_m}, {tile_n}")
+    if key_align not in (1, 16):
+        raise ValueError(f"key_align: 1 (bf16) or 16 (fp8 K-major TMA), got {key_align}")
+    dev = cu_seqlens.device
+    if T is None:
+        T = int(cu_seqlens[-1].item())
+    nd = cu_seqlens.numel() - 1
+    nw = num_work(T, nd, tile_n)
+    lens, delta, nkt, nqt = bwd_tiles(cu_seqlens, tile_m, tile_n, causal, key_align)
+    ends = torch.cumsum(nkt, 0)
+    starts = ends - nkt
+    idx = torch.arange(nw, device=dev, dtype=torch.int64)
+    doc = torch.searchsorted(ends, idx, right=True)
+    valid = doc < nd
+    docc = doc.clamp(max=nd - 1)
+    n_block = idx - starts[docc]
+    if causal:
+        m_lo = torch.maximum(n_block * tile_n, delta[docc]) // tile_m
+    else:
+        m_lo = torch.zeros_like(n_block)
+    cost = torch.where(valid, nqt[docc] - m_lo, torch.full_like(idx, -1))
+    order = torch.sort(cost, descending=True, stable=True).indices
+    neg = torch.full_like(idx, -1)
+    work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, n_block, neg),
+                        torch.where(valid, torch.zeros_like(idx), neg)], dim=1)
+    return work[order].to(torch.int32).contiguous()
+
+
+def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+def _check_tensor(t, name: str, dtypes, shape, device) -> None:
+    _need(isinstance(t, torch.Tensor), name, f"expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype in dtypes, name, f"dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
+    _need(t.dim() == len(shape), name, f"expected {len(shape)} dims, got shape {tuple(t.shape)}")
+    for i, (got, want) in enumerate(zip(t.shape, shape)):
+        if want is not None:
+            _need(got == want, name, f"shape {tuple(t.shape)}, expected {tuple('*' if w is None else w for w in shape)}")
+    _need(t.is_contiguous(), name, "must be contiguous")
+    _need(t.device == device, name, f"on {t.device}, expected {device} (the device of q)")
+
+
+def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
+                     q_scale=None, k_scale=None, v_scale=None, do_scale=None, dq_accum=None,
+                     head_dim: int | None = None) -> tuple[int, int, int, int]:
+    """Validate the backward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
+    argument. fp8: q, k, v, do codes (T, H, D) uint8/float8_e4m3fn, q_t, k_t, do_t codes (H, D, T_PAD),
+    four uint8 scale tensors (T, H); bf16: q, k, v, do BF16 (T, H, D). lse, delta fp32 (HQ, T);
+    dq_accum, when given, fp32 (T, HQ, D). cu_seqlens values are checked only on the CPU."""
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
+    _check_tensor(q, "q", code, (None, None, None), dev)
+    T, HQ, D = q.shape
+    _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim for the sm90 backward: D={D} "
+          f"(supported: {SUPPORTED_HEAD_DIMS})")
+    if head_dim is not None:
+        _need(D == head_dim, "q", f"head dim {D} != {head_dim}, the head dim this kernel was compiled for")
+    _check_tensor(k, "k", code, (T, None, D), dev)
+    HKV = k.shape[1]
+    _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
+    _check_tensor(v, "v", code, (T, HKV, D), dev)
+    _check_tensor(do, "do", code, (T, HQ, D), dev)
+    if fp8:
+        tpad = None
+        for t, name, h in ((q_t, "q_t", HQ), (k_t, "k_t", HKV), (do_t, "do_t", HQ)):
+            _check_tensor(t, name, code, (h, D, None), dev)
+            _need(t.shape[2] >= T and t.shape[2] % 16 == 0, name,
+                  f"T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
+            tpad = t.shape[2] if tpad is None else tpad
+            _need(t.shape[2] == tpad, name, f"T_PAD={t.shape[2]} differs from q_t's {tpad}")
+        for t, name, h in ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV),
+                           (do_scale, "do_scale", HQ)):
+            _check_tensor(t, name, (torch.uint8,), (T, h), dev)
+    else:
+        for t, name in ((q_t, "q_t"), (k_t, "k_t"), (do_t, "do_t"), (q_scale, "q_scale"), (k_scale, "k_scale"),
+                        (v_scale, "v_scale"), (do_scale, "do_scale")):
+            _need(t is None, name, "the bf16 route takes no transposed codes or scales")
+    _check_tensor(lse, "lse", (torch.float32,), (HQ, T), dev)
+    _check_tensor(delta, "delta", (torch.float32,), (HQ, T), dev)
+    if dq_accum is not None:
+        _check_tensor(dq_accum, "dq_accum", (torch.float32,), (T, HQ, D), dev)
+    _check_tensor(cu_seqlens, "cu_seqlens", (torch.int32,), (None,), dev)
+    _need(cu_seqlens.numel() >= 2, "cu_seqlens", "needs num_docs + 1 ≥ 2 entries")
+    _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
+    if cu_seqlens.device.type == "cpu":
+        c = cu_seqlens
+        _need(int(c[0]) == 0, "cu_seqlens", f"cu_seqlens[0] = {int(c[0])}, expected 0")
+        _need(int(c[-1]) == T, "cu_seqlens", f"cu_seqlens[-1] = {int(c[-1])}, expected T = {T}")
+        _need(bool((c[1:] >= c[:-1]).all()), "cu_seqlens", "must be non-decreasing")
+    return T, HQ, HKV, D
+
+
+def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
+    return any(a["name"] == "k_t" for a in args_spec)
+
+
+def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
+                 q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
+                 dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
+                 work: torch.Tensor | None = None):
+    """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
+    dq_accum fp32 (T, HQ, D)).
+
+    `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS. `lse`: the
+    forward's (HQ, T) natural-log LSE; `delta`: (HQ, T) from the dO quantizer launch (fp8) or
+    rowsum(dO∘O) (bf16). `dq_accum`: the zeroed fp32 accumulator from the dO launch; None → a
+    zeroed one is allocated here. `poison` fills dK, dV with NaN first (rows never written show)."""
+    fp8 = _is_fp8_spec(args_spec)
+    T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
+                                     do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                     do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"))
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    dev = q.device
+    fill = float("nan") if poison else 0.0
+    dk = torch.full((T, HKV, D), fill, dtype=torch.bfloat16, device=dev)
+    dv = torch.full((T, HKV, D), fill, dtype=torch.bfloat16, device=dev)
+    if dq_accum is None:
+        dq_accum = torch.zeros((T, HQ, D), dtype=torch.float32, device=dev)
+    if T == 0:
+        return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
+    if work is None:
+        work = make_work_list(cu_seqlens, params["tile_m"], params["tile_n"], params["causal"],
+                              key_align=params.get("key_align", 16 if fp8 else 1), T=T)
+    by_name = {"lse": lse, "delta": delta, "cu_seqlens": cu_seqlens, "work": work,
+               "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
+    if fp8:
+        by_name.update(q=_as_e4m3(q), q_t=_as_e4m3(q_t), q_scale=q_scale, k=_as_e4m3(k), k_t=_as_e4m3(k_t),
+                       k_scale=k_scale, v=_as_e4m3(v), v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t),
+                       do_scale=do_scale)
+    else:
+        by_name.update(q=q, k=k, v=v, do=do)
+    missing = [a["name"] for a in args_spec if a["name"] not in by_name]
+    if missing:
+        raise ValueError(f"args_spec: names arguments this wrapper does not know: {missing}")
+    fn(*[by_name[a["name"]] for a in args_spec])
+    # the dQ "convert kernel": the partials already carry softmax_scale and the dS scales
+    return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
+
+
+__all__ = ["make_work_list", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS"]
