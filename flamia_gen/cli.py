@@ -258,6 +258,74 @@ def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers)
     sys.exit(code)
 
 
+# ---------------------------------------------------------------- probe
+@main.command()
+@click.option("--route", "routes", multiple=True, help="route(s) to probe (default: all)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: the emulator (O and dQ); cuda: the forward kernel of a bundle (O)")
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), default=None)
+@click.option("--factor", type=float, default=1e4, show_default=True, help="multiplier of the perturbed token")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def probe(routes, device, bundle_dir, factor, json_out):
+    """Leakage probe (DESIGN §5): perturb a later token's q, k, v (and dO) and report the
+    max relative change of every earlier O (and dQ) row. Exact routes must show 0."""
+    import torch
+
+    specs_set = _specs(None)
+    for r in routes:
+        if r not in specs_set.routes:
+            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs_set.routes)}")
+    names = list(routes) or sorted(specs_set.routes)
+    rows = []
+    if device == "cpu":
+        from .numerics import leakage_probe
+        from .numerics.reference import attention
+
+        g = torch.Generator().manual_seed(0)
+        lens = [256, 200, 64]
+        q, k, v = (torch.randn(sum(lens), 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, 256, 456, 520], dtype=torch.int32)
+        for r in names:
+            res = leakage_probe(lambda q, k, v, cu, r=r: attention(q, k, v, cu, causal=True, route=r),
+                                q, k, v, cu, factor=factor)
+            rows.append(dict(route=r, o_leak=max(res.o_leak.values()), dq_leak=max(res.dq_leak.values()),
+                             exact=res.exact, claims_exact=specs_set.routes[r].exact))
+    else:
+        if not torch.cuda.is_available():
+            raise Fail("no CUDA device: probe --device cuda needs a GPU")
+        from .runtime.bundle import load_bundle
+        from .verify.attn_gpu import make_docs, make_qkv, probe_kernel
+
+        b = load_bundle(bundle_dir)
+        for r in names:
+            ents = [e for e in b.manifest["variants"] if e["kind"] == "attn_fwd" and e["uses"][0] == r
+                    and e["params"]["causal"]]
+            if not ents:
+                rows.append(dict(route=r, note="no causal forward kernel in the bundle"))
+                continue
+            g = torch.Generator().manual_seed(0)
+            q, k, v, cu = make_qkv(make_docs("gauss", g), 4, 2, ents[0]["params"]["head_dim"], "gauss", g, "cuda")
+            res = probe_kernel(b.get(ents[0]["name"]), ents[0], specs_set.routes[r], q, k, v, cu, factor=factor)
+            rows.append(dict(route=r, variant=ents[0]["name"], o_leak=res["probe_max_rel_change"],
+                             exact=res["probe_exact"], claims_exact=specs_set.routes[r].exact))
+    t = Table(title=f"leakage probe ({device}, factor {factor:g})")
+    for c in ("route", "O leak", "dQ leak", "exact", "route claims exact", "note"):
+        t.add_column(c)
+    bad = False
+    for row in rows:
+        broken = row.get("claims_exact") and not row.get("exact")
+        bad |= bool(broken)
+        t.add_row(row["route"], f"{row['o_leak']:.2e}" if "o_leak" in row else "-",
+                  f"{row['dq_leak']:.2e}" if "dq_leak" in row else "-",
+                  "[green]yes[/]" if row.get("exact") else "no", "yes" if row.get("claims_exact") else "no",
+                  "[red]CLAIMS EXACT BUT LEAKS[/]" if broken else row.get("note", ""))
+    console.print(t)
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+    if bad:
+        sys.exit(1)
+
+
 def _attach_optional():
     # Commands that live with their stage; absent stages simply do not appear.
     try:

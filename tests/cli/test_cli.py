@@ -21,7 +21,8 @@ def run(monkeypatch):
 
 
 @pytest.mark.parametrize("cmd", [[], ["specs"], ["specs", "list"], ["specs", "validate"], ["specs", "show"],
-                                 ["plan"], ["render"], ["build"], ["bundle"], ["verify"]])
+                                 ["plan"], ["render"], ["build"], ["bundle"], ["verify"], ["probe"],
+                                 ["tune"], ["freeze"], ["table"], ["bench"]])
 def test_help_everywhere(run, cmd):
     res = run(*cmd, "--help")
     assert res.exit_code == 0 and "Usage:" in res.output
@@ -71,3 +72,15 @@ def test_bad_choices_exit_2(run):
 def test_plan_lists_variants_and_pruned(run):
     res = run("plan", "--arch", "sm90", "--pruned")
     assert res.exit_code == 0 and "quant_sm90_e4m3_tb32_ceil_d128_t32_h1" in res.output and "pruned" in res.output
+
+
+def test_probe_cpu_reports_exact_and_leaky_routes(run, tmp_path):
+    import json
+
+    out = tmp_path / "p.json"
+    res = run("probe", "--route", "fp8_token", "--route", "fp8_tensor", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    rows = {r["route"]: r for r in json.loads(out.read_text())}
+    assert rows["fp8_token"]["exact"] and rows["fp8_token"]["o_leak"] == 0.0 and rows["fp8_token"]["dq_leak"] == 0.0
+    assert not rows["fp8_tensor"]["exact"] and rows["fp8_tensor"]["o_leak"] > 0
+    assert run("probe", "--route", "nope").exit_code == 2

@@ -1,0 +1,273 @@
+"""The sm90 attention backward template (templates/sm90/attn_bwd.py.j2, WORK IN PROGRESS: its
+family lives in specs/wip/, not specs/kernels/) and its host wrapper. CPU only: rendering through a
+temporary specs dir, the work list against the kernel's own tiling function, input checks, and
+`compile` tests that cross-compile one bf16 and one fp8_token variant for sm_90a in a subprocess.
+Nothing here runs the kernel: it has never been executed on a GPU (docs/kernels/attn_bwd.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import render_variant
+from flamia_gen.runtime.attn_bwd import check_bwd_inputs, make_work_list, num_work, run_attn_bwd
+from flamia_gen.spec import load_specs
+
+REPO = Path(__file__).resolve().parents[2]
+WIP = REPO / "specs" / "wip" / "attn_bwd_sm90.yaml"
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("specs")
+    shutil.copytree(REPO / "specs" / "routes", root / "routes")
+    (root / "kernels").mkdir()
+    shutil.copy(WIP, root / "kernels" / WIP.name)
+    plan = make_plan(load_specs(root))
+    assert not plan.pruned, plan.pruned
+    return [v for v in plan.variants if v.kind.value == "attn_bwd"]
+
+
+def _literals(src: str) -> dict:
+    out = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("NAME", "ARCH", "PARAMS", "ARGS", "TILE_M", "TILE_N", "KEY_ALIGN"):
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+def test_wip_family_not_in_shipped_specs():
+    # a new family in specs/kernels/ would make the GPU-tuned dispatch tables stale
+    assert not any(v.kind.value == "attn_bwd" for v in make_plan(load_specs()).variants)
+
+
+def test_wip_family_expands_to_four_variants(variants):
+    names = sorted(v.name for v in variants)
+    assert names == [
+        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first",
+        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
+        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first",
+        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
+    ]
+
+
+def test_render_deterministic_and_parses(variants):
+    tail = ["lse", "delta", "cu_seqlens", "work", "softmax_scale", "dq_accum", "dk", "dv"]
+    for v in variants:
+        a, b = render_variant(v), render_variant(v)
+        assert a == b
+        lit = _literals(a)
+        assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
+        assert lit["PARAMS"]["kind"] == "attn_bwd" and lit["PARAMS"]["tile_m"] == 64 and lit["TILE_N"] == 128
+        names = [x["name"] for x in lit["ARGS"]]
+        if v.route == "fp8_token":
+            assert names == ["q", "q_t", "q_scale", "k", "k_t", "k_scale", "v", "v_scale", "do", "do_t",
+                             "do_scale"] + tail
+            assert lit["KEY_ALIGN"] == 16
+            # every K-major (tokens-contiguous) TMA is offset by a 16-aligned base, never doc_start
+            assert "domain_offset((0, doc_start)" not in a
+            assert "domain_offset((0, k0), mKt" in a and "domain_offset((0, base), mQt" in a
+        else:
+            assert names == ["q", "k", "v", "do"] + tail
+            assert lit["KEY_ALIGN"] == 1
+        for tok in ("def load(", "def mma(", "def one_tile(", "def epilogue(", "def can_implement(",
+                    "def _setup_attributes(", "def compile_args("):
+            assert tok in a
+        assert ("(kk > qq)" in a) == (not v.name.endswith("_noncausal"))
+
+
+# ----------------------------------------------------------------------------- tiling and work list
+def _bwd_tiling(src: str):
+    """The rendered kernel's bwd_tiling, run on Python ints."""
+    tree = ast.parse(src)
+    lit = _literals(src)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "bwd_tiling")
+    ns = dict(TILE_M=lit["TILE_M"], TILE_N=lit["TILE_N"], KEY_ALIGN=lit["KEY_ALIGN"],
+              cutlass=type("C", (), {"min": staticmethod(min), "max": staticmethod(max)}))
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "bwd_tiling", "exec"), ns)
+    return ns["bwd_tiling"], lit
+
+
+@pytest.mark.parametrize("route", ["bf16", "fp8_token"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiling_covers_every_visible_pair_once(variants, route, causal):
+    """Every (query, key) pair a row can see is in exactly one (key tile, query tile) the kernel
+    visits; tiles start 16-aligned for FP8 (TMA on the tokens-contiguous copies)."""
+    v = next(v for v in variants if v.route == route and v.param("causal") == causal)
+    tiling, lit = _bwd_tiling(render_variant(v))
+    M, N, A = lit["TILE_M"], lit["TILE_N"], lit["KEY_ALIGN"]
+    for start, L in [(0, 1), (0, 200), (1000, 300), (7, 64), (1, 129), (16, 64), (130, 0)]:
+        seen = {}
+        nkt = -(-(L + start % A) // N) + 1
+        for n in range(nkt):
+            base, delta, m_lo, m_hi = tiling(n, start, L)
+            assert base % A == 0 and base == start - delta
+            for m in range(m_lo, m_hi):
+                for kk in range(n * N - delta, (n + 1) * N - delta):
+                    for qq in range(m * M - delta, (m + 1) * M - delta):
+                        if 0 <= kk < L and 0 <= qq < L and (not causal or kk <= qq):
+                            seen[(qq, kk)] = seen.get((qq, kk), 0) + 1
+        expect = {(i, j) for i in range(L) for j in range(L) if not causal or j <= i}
+        assert set(seen) == expect and all(c == 1 for c in seen.values())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("align", [1, 16])
+def test_work_list_matches_kernel_tiling(variants, causal, align):
+    v = next(v for v in variants if v.param("causal") == causal and (v.route == "fp8_token") == (align == 16))
+    tiling, lit = _bwd_tiling(render_variant(v))
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(0, 500, (19,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)]).to(torch.int32)
+    T = int(cu[-1])
+    w = make_work_list(cu, 64, 128, causal, key_align=align, T=T)
+    assert w.shape == (num_work(T, 19, 128), 3) and w.dtype == torch.int32
+    real = w[w[:, 0] >= 0].tolist()
+    expect = set()
+    for d in range(19):
+        s, L = int(cu[d]), int(lens[d])
+        for n in range(-(-(L + 15) // 128) + 1):
+            _, _, m_lo, m_hi = tiling(n, s, L)
+            if m_lo < m_hi:
+                expect.add((d, n, m_hi - m_lo))
+    cost = {}
+    for d, n, c in expect:
+        cost[(d, n)] = c
+    assert {(d, n) for d, n, _ in real} == set(cost) and len(real) == len(cost)
+    costs = [cost[(d, n)] for d, n, _ in real]
+    assert costs == sorted(costs, reverse=True)
+    assert (w[len(real):] == -1).all()
+
+
+# ----------------------------------------------------------------------------- input checks
+def _fp8_inputs(T=40, HQ=4, HKV=2, D=128):
+    tpad = -(-T // 16) * 16
+    u8 = torch.uint8
+    return dict(q=torch.zeros(T, HQ, D, dtype=u8), k=torch.zeros(T, HKV, D, dtype=u8),
+                v=torch.zeros(T, HKV, D, dtype=u8), do=torch.zeros(T, HQ, D, dtype=u8),
+                lse=torch.zeros(HQ, T), delta=torch.zeros(HQ, T),
+                q_t=torch.zeros(HQ, D, tpad, dtype=u8), k_t=torch.zeros(HKV, D, tpad, dtype=u8),
+                do_t=torch.zeros(HQ, D, tpad, dtype=u8), q_scale=torch.zeros(T, HQ, dtype=u8),
+                k_scale=torch.zeros(T, HKV, dtype=u8), v_scale=torch.zeros(T, HKV, dtype=u8),
+                do_scale=torch.zeros(T, HQ, dtype=u8), cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
+
+
+def _bf16_inputs(T=40, HQ=4, HKV=2, D=128):
+    b = torch.bfloat16
+    return dict(q=torch.zeros(T, HQ, D, dtype=b), k=torch.zeros(T, HKV, D, dtype=b),
+                v=torch.zeros(T, HKV, D, dtype=b), do=torch.zeros(T, HQ, D, dtype=b),
+                lse=torch.zeros(HQ, T), delta=torch.zeros(HQ, T), cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
+
+
+def test_check_inputs_ok():
+    assert check_bwd_inputs(**_fp8_inputs(), fp8=True, head_dim=128) == (40, 4, 2, 128)
+    assert check_bwd_inputs(**_bf16_inputs(), fp8=False) == (40, 4, 2, 128)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x: x.update(q=x["q"].to(torch.int32)), "q: dtype"),
+    (lambda x: x.update(q=torch.zeros(40, 4, 64, dtype=torch.uint8)), "unsupported head dim"),
+    (lambda x: x.update(k=torch.zeros(40, 3, 128, dtype=torch.uint8)), "k: HQ=4 is not a multiple of HKV=3"),
+    (lambda x: x.update(v=torch.zeros(40, 4, 128, dtype=torch.uint8)), "v: shape"),
+    (lambda x: x.update(do=torch.zeros(41, 4, 128, dtype=torch.uint8)), "do: shape"),
+    (lambda x: x.update(k_t=torch.zeros(2, 128, 40, dtype=torch.uint8)), "k_t: T_PAD=40"),
+    (lambda x: x.update(do_t=torch.zeros(4, 128, 64, dtype=torch.uint8)), "do_t: T_PAD=64 differs"),
+    (lambda x: x.update(do_scale=torch.zeros(40, 2, dtype=torch.uint8)), "do_scale: shape"),
+    (lambda x: x.update(v_scale=torch.zeros(40, 2, dtype=torch.int8)), "v_scale: dtype"),
+    (lambda x: x.update(lse=torch.zeros(40, 4)), "lse: shape"),
+    (lambda x: x.update(delta=torch.zeros(4, 40, dtype=torch.float64)), "delta: dtype"),
+    (lambda x: x.update(dq_accum=torch.zeros(40, 4, 128, dtype=torch.bfloat16)), "dq_accum: dtype"),
+    (lambda x: x.update(q=torch.zeros(4, 40, 128, dtype=torch.uint8).transpose(0, 1)), "q: must be contiguous"),
+    (lambda x: x.update(cu_seqlens=torch.tensor([0, 30, 20, 40], dtype=torch.int32)), "non-decreasing"),
+    (lambda x: x.update(cu_seqlens=torch.tensor([0, 10, 39], dtype=torch.int32)), r"cu_seqlens\[-1\]"),
+])
+def test_check_inputs_errors(mutate, match):
+    x = _fp8_inputs()
+    mutate(x)
+    with pytest.raises(ValueError, match=match):
+        check_bwd_inputs(**x, fp8=True)
+
+
+def test_check_inputs_bf16_takes_no_scales():
+    with pytest.raises(ValueError, match="k_scale: the bf16 route takes no"):
+        check_bwd_inputs(**_bf16_inputs(), k_scale=torch.zeros(40, 2, dtype=torch.uint8), fp8=False)
+
+
+@pytest.mark.parametrize("route", ["bf16", "fp8_token"])
+def test_run_attn_bwd_calls_in_args_order(variants, route):
+    v = next(v for v in variants if v.route == route and v.param("causal"))
+    lit = _literals(render_variant(v))
+    seen = []
+    x = _fp8_inputs() if route == "fp8_token" else _bf16_inputs()
+    dq, dk, dv, acc = run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"], poison=True)
+    assert len(seen) == len(lit["ARGS"])
+    by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
+    assert by["dk"] is dk and by["dv"] is dv and by["dq_accum"] is acc
+    assert by["softmax_scale"] == pytest.approx(128 ** -0.5)
+    assert by["work"].shape == (num_work(40, 2, 128), 3)
+    if route == "fp8_token":
+        assert by["q"].dtype == torch.float8_e4m3fn and by["k_t"].dtype == torch.float8_e4m3fn
+    assert dq.dtype == torch.bfloat16 and dq.shape == (40, 4, 128) and dk.shape == (40, 2, 128)
+    assert torch.isnan(dk.float()).all() and acc.dtype == torch.float32
+
+
+def test_runtime_imports_without_dsl():
+    code = "import sys; sys.modules['cutlass'] = None; import flamia_gen.runtime.attn_bwd; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ----------------------------------------------------------------------------- compile
+def _dsl_available() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _compile(v, tmp_path: Path) -> str:
+    src = tmp_path / f"{v.name}.py"
+    src.write_text(render_variant(v))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
+                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert (tmp_path / f"{v.name}.o").stat().st_size > 0
+    return "".join(Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+def test_compile_fp8_token_variant(variants, tmp_path):
+    v = next(v for v in variants if v.route == "fp8_token" and v.param("causal"))
+    ptx = _compile(v, tmp_path)
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # Sᵀ, dPᵀ, dQ
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK (A from registers)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "atom.shared.max.u32" in ptx  # dQ-scale amax across warpgroups
+    assert "red.global.add.f32" in ptx or "atom.global.add.f32" in ptx  # dQ reduce-add
+    assert "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
+def test_compile_bf16_variant(variants, tmp_path):
+    v = next(v for v in variants if v.route == "bf16" and v.param("causal"))
+    ptx = _compile(v, tmp_path)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
