@@ -70,16 +70,9 @@ def time_cuda(calls: list[Callable[[], object]], *, warmup: int = 5, repeats: in
 
 
 def _operand_quant(entry: dict):
-    from ..spec import get_route, operand_quant
+    from ..verify.gpu import _operand_quant_of
 
-    uses = entry["uses"]
-    r, o = uses[0].split(".")
-    first = operand_quant(get_route(r), o)
-    for u in uses[1:]:
-        r, o = u.split(".")
-        if operand_quant(get_route(r), o) != first:
-            raise ValueError(f"{entry['name']} serves {u}, whose representation differs from {uses[0]}")
-    return first
+    return _operand_quant_of(entry)
 
 
 class QuantHook:
