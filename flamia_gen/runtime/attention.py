@@ -166,3 +166,84 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
                               per_token_scales(vq["scales"], v), cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, work=_work_list(cu_seqlens, T, fwd["params"]))
     return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------- backward helpers (issue #9)
+# Used by `flamia_gen.runtime.ops` (the torch.library op); additive, `packed_attention` is unchanged.
+
+
+def doc_profile(T: int, cu_seqlens: torch.Tensor, max_seqlen: int) -> DocProfile:
+    """The dispatch profile of a call without a host sync: static sizes and the caller's max_seqlen."""
+    return DocProfile(tokens=int(T), num_docs=max(1, cu_seqlens.numel() - 1), max_len=int(max_seqlen))
+
+
+def bwd_candidates(b: Bundle, route: str, d: int, causal: bool) -> list[dict]:
+    """The bundle's `attn_bwd` variants for (route, head dim, causal)."""
+    return [v for v in b.manifest["variants"] if v["kind"] == "attn_bwd" and v["uses"][0] == route
+            and v["params"].get("head_dim") == d and v["params"].get("causal") == causal]
+
+
+def pick_bwd(b: Bundle, route: str, d: int, causal: bool, profile) -> dict:
+    """The backward kernel for this call, or NoKernelError (never another route, never the emulator)."""
+    if not bwd_candidates(b, route, d, causal):
+        raise NoKernelError(
+            f"no backward kernel for route {route!r} (head_dim={d}, causal={causal}) on {ARCH} yet: bundle "
+            f"{b.root} has no attn_bwd variant for it (the {ARCH} backward kernel is compile-only so far, "
+            f"specs/wip/attn_bwd_sm90.yaml, docs/kernels/attn_bwd.md)")
+    return _pick_cached(str(b.root), "attn_bwd", route, d, bool(causal), profile)
+
+
+def _delta_quant_tag(route: str, d: int) -> str | None:
+    """The representation tag (tuning group route) of the installed with_delta dO quantizer."""
+    try:
+        from ..dispatch.table import _installed_plan
+
+        plan = _installed_plan(ARCH)[1]
+    except Exception:  # no specs on this host: the bundle alone decides
+        return None
+    use = f"{route}.do"
+    for v in plan.variants:
+        if (v.kind.value == "quant" and use in v.uses and v.param("head_dim") == d
+                and v.param("with_delta")):
+            return v.route
+    return None
+
+
+@lru_cache(maxsize=64)
+def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
+    """The dO launch (`with_delta` quantizer of route.do: codes, scales, codes_t, delta, zeroed
+    dq_accum) for this call: the dispatch table's choice when bundled, else the first bundled one."""
+    b = _bundle(root)
+    cands = b.for_use(route, "do", "quant", with_delta=True, head_dim=d)
+    if not cands:
+        raise NoKernelError(f"no dO quantizer with delta (with_delta=True) for route={route!r} head_dim={d} "
+                            f"on {ARCH} in bundle {b.root}")
+    names = {c["name"] for c in cands}
+    tag = _delta_quant_tag(route, d)
+    if tag is not None:
+        disp = _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        try:
+            name = disp.decide("quant", tag, d, None, profile=profile).variant
+        except KeyError:
+            name = None
+        if name in names:
+            return b.variants[name]
+    return sorted(cands, key=lambda v: v["name"])[0]
+
+
+def bwd_work_list(cu: torch.Tensor, T: int, params: dict, fp8: bool) -> torch.Tensor:
+    """The backward's longest-first key-tile work list, cached like `_work_list` (same rules)."""
+    import weakref
+
+    from .attn_bwd import make_work_list as make_bwd_work_list
+
+    key_align = params.get("key_align", 16 if fp8 else 1)
+    key = ("bwd", id(cu), cu._version, T, params["tile_m"], params["tile_n"], params["causal"], key_align)
+    hit = _WORK_CACHE.get(key)
+    if hit is not None and hit[0]() is cu:
+        return hit[1]
+    work = make_bwd_work_list(cu, params["tile_m"], params["tile_n"], params["causal"], key_align=key_align, T=T)
+    if len(_WORK_CACHE) > 64:
+        _WORK_CACHE.clear()
+    _WORK_CACHE[key] = (weakref.ref(cu), work)
+    return work

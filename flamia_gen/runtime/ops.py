@@ -1,0 +1,255 @@
+"""`flamia_gen.attention`: the training op users call (issue #9), as `torch.library` custom ops.
+
+    o = flamia_gen.attention(q, k, v, cu_seqlens, max_seqlen, causal=True, route="fp8_token")
+
+Packed BF16 q (T, HQ, D), k, v (T, HKV, D), int32 cu_seqlens (num_docs + 1) → BF16 o (T, HQ, D).
+
+Two opaque ops (docs/ops.md):
+- `flamia::attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) -> (o, lse)`:
+  the route's fused quantizer launches for Q, K, V, then the forward kernel, from the bundle
+  (`packed_attention`, kernels chosen by the dispatch table). lse: fp32 (HQ, T), natural log.
+- `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+  -> (dq, dk, dv)`: RECOMPUTES the quantization of Q, K, V (three memory-bound launches, bit for bit
+  what the forward used: the quantizers are deterministic and document-local), the dO launch
+  (`with_delta`: dO codes, scales, codes_t, delta = rowsum(dO∘O) and the zeroed dq_accum), then
+  the `attn_bwd` kernel of the bundle. No kernel for (route, head dim, causal) → NoKernelError:
+  never a silent fallback to another route or to the emulator.
+
+The forward saves only its BF16 inputs, o and lse (what autograd keeps anyway), not the FP8 codes.
+
+No host synchronisation inside either op (the dispatch profile comes from T, cu_seqlens.numel()
+and max_seqlen; work lists are built on the device), so both are CUDA-graph capturable; the fake
+(meta) implementations make them traceable by torch.compile(fullgraph=True) and make_fx.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .attention import (ARCH, NoKernelError, _current_bundle, _pick_cached, _quantize, bwd_work_list,
+                        doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta)
+from .attn_bwd import run_attn_bwd
+from .attn_fwd import SUPPORTED_HEAD_DIMS
+from .quant import allocate_outputs
+
+__all__ = ["attention", "known_routes", "NoKernelError"]
+
+
+# ---------------------------------------------------------------- validation
+
+
+@torch.compiler.assume_constant_result
+def known_routes() -> tuple[str, ...]:
+    """Route names the specs define (`specs/routes/*.yaml`); () when this host has no specs
+    (an installed wheel with a bundle only): then the bundle lookup alone refuses unknown routes.
+    A constant to torch.compile (read once, at trace time)."""
+    global _KNOWN
+    if _KNOWN is None:
+        try:
+            from ..spec import default_specs_dir
+            from ..spec.loader import _cached_routes
+
+            _KNOWN = tuple(sorted(_cached_routes(str(default_specs_dir()))))
+        except Exception:
+            _KNOWN = ()
+    return _KNOWN
+
+
+_KNOWN: tuple[str, ...] | None = None
+
+
+def _bad(name: str, msg: str) -> ValueError:
+    return ValueError(f"{name}: {msg}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) -> None:
+    """ValueError naming the argument. Metadata only (dtype, shape, device): no host sync, and
+    traceable by dynamo on fake tensors with symbolic sizes (messages are built only on failure).
+    Contiguity is not required here (`attention` makes inputs contiguous)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise _bad(name, f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise _bad(name, f"dtype {t.dtype}, expected torch.bfloat16")
+        if t.dim() != 3:
+            raise _bad(name, f"expected 3 dims (T, H, D), got shape {tuple(t.shape)}")
+    T, HQ, D = q.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise _bad("q", f"unsupported head dim on {ARCH}: D={D} (supported: {SUPPORTED_HEAD_DIMS})")
+    if HQ < 1:
+        raise _bad("q", f"HQ={HQ} must be at least 1")
+    HKV = k.shape[1]
+    if k.shape[0] != T or k.shape[2] != D:
+        raise _bad("k", f"shape {tuple(k.shape)} does not match q (T={T}, D={D})")
+    if HKV < 1 or HQ % HKV != 0:
+        raise _bad("k", f"HQ={HQ} is not a multiple of HKV={HKV}")
+    if v.shape != k.shape:
+        raise _bad("v", f"shape {tuple(v.shape)}, expected {tuple(k.shape)} (like k)")
+    for t, name in ((k, "k"), (v, "v")):
+        if t.device != q.device:
+            raise _bad(name, f"on {t.device}, expected {q.device} (the device of q)")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise _bad("cu_seqlens", f"expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise _bad("cu_seqlens", f"dtype {cu_seqlens.dtype}, expected torch.int32")
+    if cu_seqlens.dim() != 1:
+        raise _bad("cu_seqlens", f"expected 1 dim (num_docs + 1), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        raise _bad("cu_seqlens", f"needs num_docs + 1 >= 2 entries, got {cu_seqlens.numel()}")
+    if cu_seqlens.device != q.device:
+        raise _bad("cu_seqlens", f"on {cu_seqlens.device}, expected {q.device} (the device of q)")
+    if not _is_int(max_seqlen):
+        raise _bad("max_seqlen", f"expected an int, got {type(max_seqlen).__name__}")
+    if max_seqlen <= 0:
+        raise _bad("max_seqlen", f"must be a positive int, got {max_seqlen}")
+    if not isinstance(causal, bool):
+        raise _bad("causal", f"expected a bool, got {type(causal).__name__}")
+    if not isinstance(route, str):
+        raise _bad("route", f"expected a str, got {type(route).__name__}")
+    routes = known_routes()
+    if routes and route not in routes:
+        raise _bad("route", f"unknown route {route!r}; allowed values: {list(routes)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, (int, float, torch.SymFloat))):
+        raise _bad("softmax_scale", f"expected a float or None, got {type(softmax_scale).__name__}")
+
+
+# ---------------------------------------------------------------- forward op
+
+
+@torch.library.custom_op("flamia::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  causal: bool, route: str, softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o BF16 (T, HQ, D), lse fp32 (HQ, T)) from the bundle's quantizers + forward kernel."""
+    check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+    o, lse = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
+                              int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
+                              return_lse=True)
+    return o, lse
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale):
+    check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+    T, HQ, D = q.shape
+    o = q.new_empty((T, HQ, D), dtype=torch.bfloat16)
+    lse = q.new_empty((HQ, T), dtype=torch.float32)
+    return o, lse
+
+
+# ---------------------------------------------------------------- backward op
+
+
+def _do_launch(b, entry: dict, do: torch.Tensor, o: torch.Tensor, cu: torch.Tensor) -> dict:
+    """The dO launch: codes, scales, codes_t, delta (H, T) fp32, dq_accum (T, H, D) fp32 zeroed."""
+    T, H, D = do.shape
+    outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, do.device)
+    by = dict(outs, x=do, o=o, cu_seqlens=cu)
+    b.get(entry["name"])(*[by[a["name"]] for a in entry["args"]])
+    return outs
+
+
+def _require_cuda(q: torch.Tensor) -> None:
+    if not q.is_cuda:
+        raise ValueError("q: must be a CUDA tensor (the kernels run on sm90)")
+
+
+def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route: str,
+                  softmax_scale: float | None):
+    T, HQ, D = q.shape
+    b = _current_bundle(route)
+    profile = doc_profile(T, cu, max_seqlen)
+    # the kernel first: no backward kernel → NoKernelError before any launch
+    bwd = pick_bwd(b, route, D, bool(causal), profile)
+    _require_cuda(q)
+    fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    fp8 = any(a["name"] == "k_t" for a in args)
+    work = bwd_work_list(cu, T, params, fp8)
+    if not fp8:
+        # bf16 route: no quantizer; delta = rowsum(dO∘O) (HQ, T) fp32, dq_accum zeroed in run_attn_bwd
+        delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
+        dq, dk, dv, _ = run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
+                                     softmax_scale=scale, work=work)
+        return dq, dk, dv
+    root = str(b.root)
+    # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
+    qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
+    kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
+    vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
+    dq_ = _do_launch(b, pick_do_delta(root, route, D, profile), do, o, cu)
+    dq, dk, dv, _ = run_attn_bwd(
+        fn, args, qq["codes"], kq["codes"], vq["codes"], dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
+        params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
+        q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
+        v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
+        dq_accum=dq_["dq_accum"], softmax_scale=scale, work=work)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flamia::attention_bwd", mutates_args=())
+def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
+                  softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq BF16 like q, dk, dv BF16 like k, v): dO launch + the bundle's attn_bwd kernel, or NoKernelError."""
+    return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
+                         lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale):
+    return (q.new_empty(q.shape, dtype=torch.bfloat16), k.new_empty(k.shape, dtype=torch.bfloat16),
+            v.new_empty(v.shape, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.max_seqlen, ctx.causal, ctx.route, ctx.softmax_scale = max_seqlen, causal, route, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    # lse is non-differentiable (marked in setup_context): grad_lse is ignored
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    if grad_o is None:
+        return None, None, None, None, None, None, None, None
+    dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,
+                                                ctx.causal, ctx.route, ctx.softmax_scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- the public function
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+              causal: bool = True, route: str = "fp8_token", softmax_scale: float | None = None) -> torch.Tensor:
+    """Packed low-precision attention with autograd: BF16 o (T, HQ, D).
+
+    q (T, HQ, D), k, v (T, HKV, D) BF16 on one CUDA device (non-contiguous inputs are copied),
+    HQ a multiple of HKV, D 64 or 128 (the sm90 kernels are built for 128 today);
+    cu_seqlens int32 (num_docs + 1) on the same device, cu_seqlens[0] = 0, cu_seqlens[-1] = T,
+    non-decreasing (values are not checked: that would sync); max_seqlen ≥ the longest document
+    (a dispatch hint: it picks the kernel, never changes the result's masking).
+    Raises ValueError naming a bad argument and NoKernelError when the bundle has no kernel
+    (the backward, today, for every route: docs/ops.md)."""
+    check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+    if isinstance(softmax_scale, int):
+        softmax_scale = float(softmax_scale)
+    o, _ = torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
+                                          max_seqlen, causal, route, softmax_scale)
+    return o

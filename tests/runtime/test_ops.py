@@ -1,0 +1,489 @@
+"""`flamia_gen.attention` and the `flamia::attention_fwd/bwd` custom ops (issue #9).
+
+CPU: registration, fake propagation, make_fx / torch.compile tracing (meta inputs), validation,
+the backward's NoKernelError and kernel choice on a fake bundle manifest.
+GPU (`-m gpu`, needs FLAMIA_GEN_BUNDLE or the DSL for JIT): forward == packed_attention, compile and
+CUDA-graph replay bitwise equal to eager, torch.utils.checkpoint, NoKernelError from the backward.
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import flamia_gen
+from flamia_gen.runtime import NoKernelError
+from flamia_gen.runtime import ops as ops_mod
+
+T, HQ, HKV, D = 64, 4, 2, 128
+
+
+def _qkv(device="cpu", T=T, hq=HQ, hkv=HKV, d=D, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, hq, d, generator=g).to(torch.bfloat16).to(device)
+    k = torch.randn(T, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    v = torch.randn(T, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    cu = torch.tensor([0, 30, T], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def _meta(T=T, hq=HQ, hkv=HKV, d=D, grad=True):
+    q = torch.empty(T, hq, d, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    k = torch.empty(T, hkv, d, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    v = torch.empty(T, hkv, d, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    return q, k, v, torch.empty(3, dtype=torch.int32, device="meta")
+
+
+# ---------------------------------------------------------------- registration and fakes
+
+
+def test_ops_are_registered_with_their_schemas():
+    assert flamia_gen.attention is ops_mod.attention
+    from flamia_gen import attention  # noqa: F401  (PEP 562 export)
+
+    fwd = torch.ops.flamia.attention_fwd.default._schema
+    bwd = torch.ops.flamia.attention_bwd.default._schema
+    assert [a.name for a in fwd.arguments] == ["q", "k", "v", "cu_seqlens", "max_seqlen", "causal", "route",
+                                               "softmax_scale"]
+    assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]"]
+    assert len(fwd.returns) == 2 and len(bwd.returns) == 3
+    assert [a.name for a in bwd.arguments][:7] == ["do", "q", "k", "v", "o", "lse", "cu_seqlens"]
+    assert not fwd.is_mutable and not bwd.is_mutable
+
+
+def test_fake_tensor_propagation_fwd_and_bwd():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        q, k, v, cu = (mode.from_tensor(t) for t in _qkv())
+        o, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None)
+        assert o.shape == (T, HQ, D) and o.dtype == torch.bfloat16
+        assert lse.shape == (HQ, T) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert {dq.dtype, dk.dtype, dv.dtype} == {torch.bfloat16}
+
+
+def test_meta_tensors_run_forward_and_backward():
+    q, k, v, cu = _meta()
+    o = flamia_gen.attention(q, k, v, cu, 34)
+    assert o.shape == (T, HQ, D) and o.dtype == torch.bfloat16 and o.device.type == "meta"
+    dq, dk, dv = torch.autograd.grad(o.float().sum(), (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_make_fx_traces_fwd_and_bwd_ops():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, cu):
+        o = flamia_gen.attention(q, k, v, cu, 34, causal=False, route="bf16")
+        return torch.autograd.grad(o.float().square().sum(), (q, k, v))
+
+    gm = make_fx(step, tracing_mode="fake")(*_qkv(grad=True))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    targets = [n.target for n in calls]
+    assert torch.ops.flamia.attention_fwd.default in targets
+    assert torch.ops.flamia.attention_bwd.default in targets
+    fwd = next(n for n in calls if n.target is torch.ops.flamia.attention_fwd.default)
+    assert list(fwd.args[4:]) == [34, False, "bf16", None]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_on_meta(dynamic):
+    """dynamo + aot_autograd on meta inputs (the fake impls run; no kernel needed): no graph break,
+    both ops in the graphs, new shapes recompile (or stay symbolic) without breaking."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(g, _):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    def loss(q, k, v, cu, m):
+        return flamia_gen.attention(q, k, v, cu, m).float().square().sum()
+
+    torch._dynamo.reset()
+    f = torch.compile(loss, fullgraph=True, backend=backend, dynamic=dynamic)
+    for t, m in ((T, 34), (2 * T, 100)):
+        q, k, v, cu = _meta(T=t)
+        f(q, k, v, cu, m).backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    code = "\n".join(g.code for g in graphs)
+    assert "flamia.attention_fwd" in code and "flamia.attention_bwd" in code
+
+
+def test_torch_compile_eager_backend_graph_holds_the_op():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, cu: flamia_gen.attention(q, k, v, cu, 64, route="bf16"),
+                      fullgraph=True, backend=backend)
+    o = f(*_meta(grad=False))
+    assert o.shape == (T, HQ, D)
+    assert len(seen) == 1 and "torch.ops.flamia.attention_fwd" in seen[0].code
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda a: a.update(q=a["q"].float()), "q: dtype"),
+    (lambda a: a.update(k=a["k"].half()), "k: dtype"),
+    (lambda a: a.update(q=a["q"][..., None]), "q: expected 3 dims"),
+    (lambda a: a.update(q=a["q"][..., :96].contiguous(), k=a["k"][..., :96].contiguous(),
+                        v=a["v"][..., :96].contiguous()), "unsupported head dim on sm90"),
+    (lambda a: a.update(k=a["k"][:, :1].expand(T, 3, D).contiguous(), v=a["v"][:, :1].expand(T, 3, D).contiguous()),
+     "k: HQ=4 is not a multiple of HKV=3"),
+    (lambda a: a.update(k=a["k"][:32]), "k: shape"),
+    (lambda a: a.update(v=a["v"][:32]), "v: shape"),
+    (lambda a: a.update(cu_seqlens=a["cu_seqlens"].long()), "cu_seqlens: dtype"),
+    (lambda a: a.update(cu_seqlens=a["cu_seqlens"][None]), "cu_seqlens: expected 1 dim"),
+    (lambda a: a.update(cu_seqlens=a["cu_seqlens"][:1]), "cu_seqlens: needs num_docs"),
+    (lambda a: a.update(cu_seqlens=a["cu_seqlens"].to("meta")), "cu_seqlens: on meta"),
+    (lambda a: a.update(max_seqlen=0), "max_seqlen: must be a positive int"),
+    (lambda a: a.update(max_seqlen=34.0), "max_seqlen: expected an int"),
+    (lambda a: a.update(max_seqlen=True), "max_seqlen: expected an int"),
+    (lambda a: a.update(causal=1), "causal: expected a bool"),
+    (lambda a: a.update(route="fp8_tokn"), r"route: unknown route 'fp8_tokn'; allowed values: \[.*'fp8_token'"),
+    (lambda a: a.update(softmax_scale="0.1"), "softmax_scale: expected a float"),
+])
+def test_validation_names_the_argument(mutate, match):
+    q, k, v, cu = _qkv()
+    a = dict(q=q, k=k, v=v, cu_seqlens=cu, max_seqlen=34)
+    mutate(a)
+    with pytest.raises(ValueError, match=match):
+        flamia_gen.attention(**a)
+
+
+def test_known_routes_come_from_the_specs():
+    routes = ops_mod.known_routes()
+    assert {"bf16", "fp8_token", "fp8_tensor", "mxfp8"} <= set(routes)
+
+
+def test_non_contiguous_inputs_are_accepted_and_cpu_is_refused_by_the_kernel_path():
+    q, k, v, cu = _qkv()
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous
+    assert not qt.is_contiguous()
+    with pytest.raises(ValueError, match="CUDA"):
+        flamia_gen.attention(qt, k, v, cu, 34)
+
+
+# ---------------------------------------------------------------- backward on a fake bundle (CPU)
+
+
+def _entry(name, kind, uses, params, args=()):
+    return {"name": name, "file": f"kernels/{name}.so", "sha256": "0" * 64, "kind": kind, "family": "x",
+            "spec_hash": "0", "source_sha256": "0", "uses": list(uses), "params": dict(params), "args": list(args)}
+
+
+def _fake_bundle(tmp_path, with_bwd=False):
+    tok = ["fp8_token.do", "fp8_token.k", "fp8_token.q", "fp8_token.v"]
+    variants = [
+        _entry("attn_fwd_sm90_fp8_token_d128_m128n128_s2_wg2_preg_longest_first", "attn_fwd", ["fp8_token"],
+               {"head_dim": 128, "causal": True, "tile_m": 128, "tile_n": 128}),
+        _entry("quant_sm90_e4m3_tok_ceil_d128_t128_h1", "quant", tok, {"head_dim": 128, "with_delta": False}),
+    ] + [_entry(f"quant_sm90_e4m3_tok_ceil_delta_d128_t{t}_h1", "quant", ["fp8_token.do"],
+                {"head_dim": 128, "with_delta": True, "tokens_per_cta": t}) for t in (32, 64, 128)]
+    if with_bwd:
+        variants.append(_entry("attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first", "attn_bwd",
+                               ["fp8_token"], {"head_dim": 128, "causal": True, "tile_m": 64, "tile_n": 128}))
+    d = tmp_path / ("bundle_bwd" if with_bwd else "bundle")
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
+    return d
+
+
+def _reference_fwd(monkeypatch):
+    """Stand in for the GPU forward (packed_attention) so autograd runs on CPU tensors."""
+    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse):
+        return q.clone(), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+
+    monkeypatch.setattr(ops_mod, "packed_attention", fake_packed)
+
+
+def test_backward_without_a_kernel_raises_no_kernel_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(_fake_bundle(tmp_path)))
+    _reference_fwd(monkeypatch)
+    q, k, v, cu = _qkv(grad=True)
+    o = flamia_gen.attention(q, k, v, cu, 34)
+    assert torch.equal(o, q.detach())
+    with pytest.raises(NoKernelError, match=r"no backward kernel for route 'fp8_token' \(head_dim=128, "
+                                            r"causal=True\) on sm90 yet"):
+        o.float().sum().backward()
+    # the op itself, directly: same error, before any launch or device check
+    lse = torch.zeros(HQ, T)
+    with pytest.raises(NoKernelError, match="no backward kernel for route 'bf16'"):
+        torch.ops.flamia.attention_bwd(q.detach(), q.detach(), k.detach(), v.detach(), q.detach(), lse, cu, 34,
+                                       False, "bf16", None)
+
+
+def test_backward_with_a_kernel_picks_it_and_the_delta_quantizer(monkeypatch, tmp_path):
+    from flamia_gen.runtime.attention import _bundle, doc_profile, pick_bwd, pick_do_delta
+
+    d = _fake_bundle(tmp_path, with_bwd=True)
+    b = _bundle(str(d.resolve()))
+    prof = doc_profile(T, torch.zeros(3, dtype=torch.int32), 34)
+    with warnings.catch_warnings():  # no dispatch table for "cpu": the analytic defaults answer
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bwd = pick_bwd(b, "fp8_token", 128, True, prof)
+        dlt = pick_do_delta(str(b.root), "fp8_token", 128, prof)
+    assert bwd["kind"] == "attn_bwd" and bwd["params"]["causal"] is True
+    assert dlt["params"]["with_delta"] is True and "fp8_token.do" in dlt["uses"]
+    # the dispatch table's choice (analytic default t32 here), not merely the first bundled name (t128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        from flamia_gen.runtime.attention import _dispatcher
+
+        want = _dispatcher("cpu").decide("quant", "e4m3_tok_ceil_delta", 128, None, profile=prof).variant
+    assert dlt["name"] == want == "quant_sm90_e4m3_tok_ceil_delta_d128_t32_h1"
+    with pytest.raises(NoKernelError, match="causal=False"):
+        pick_bwd(b, "fp8_token", 128, False, prof)
+    # a kernel exists: on CPU tensors the backward stops at the device check (no silent fallback)
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(d))
+    q, k, v, cu = _qkv()
+    with pytest.raises(ValueError, match="CUDA"):
+        torch.ops.flamia.attention_bwd(q, q, k, v, q, torch.zeros(HQ, T), cu, 34, True, "fp8_token", None)
+
+
+def _rendered_bwd_entries():
+    """The wip attn_bwd variants' real ARGS and PARAMS (rendered from specs/wip, no DSL needed)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from flamia_gen.build.bundle import _module_literal
+    from flamia_gen.plan import make_plan
+    from flamia_gen.render import render_variant
+    from flamia_gen.spec import load_specs
+
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        shutil.copytree(repo / "specs" / "routes", d / "routes")
+        (d / "kernels").mkdir()
+        shutil.copy(repo / "specs" / "wip" / "attn_bwd_sm90.yaml", d / "kernels")
+        plan = make_plan(load_specs(d), arch="sm90")
+    return [_entry(v.name, "attn_bwd", v.uses, dict(v.params), _module_literal(render_variant(v), "ARGS"))
+            for v in plan.variants]
+
+
+def _generated_quant_entry(name, uses):
+    from pathlib import Path
+
+    from flamia_gen.build.bundle import _module_literal
+
+    src = (Path(__file__).resolve().parents[2] / "generated" / "sm90" / f"{name}.py").read_text()
+    return _entry(name, "quant", uses, _module_literal(src, "PARAMS"), _module_literal(src, "ARGS"))
+
+
+@pytest.mark.parametrize("route", ["fp8_token", "bf16"])
+def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
+    """The whole backward host path on CPU, with Python stand-ins for the .so kernels: recomputed
+    Q/K/V quantization, the with_delta dO launch, the attn_bwd call (argument names, dtypes and
+    shapes checked by run_attn_bwd's own validation), dq = dq_accum → BF16, autograd wiring."""
+    from flamia_gen.runtime.attn_bwd import make_work_list
+    from flamia_gen.runtime.bundle import Bundle
+
+    tok = ["fp8_token.do", "fp8_token.k", "fp8_token.q", "fp8_token.v"]
+    variants = [_generated_quant_entry("quant_sm90_e4m3_tok_ceil_d128_t128_h1", tok),
+                _generated_quant_entry("quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1", ["fp8_token.do"])]
+    variants += _rendered_bwd_entries()
+    d = tmp_path / "bundle"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
+    calls = []
+
+    def stand_in(name):
+        entry = next(v for v in variants if v["name"] == name)
+
+        def fn(*args):
+            by = {a["name"]: t for a, t in zip(entry["args"], args)}
+            calls.append((name, by))
+            if entry["kind"] == "quant":
+                by["codes"].fill_(0x38)  # E4M3 1.0
+                by["scales"].fill_(127)
+                by["codes_t"].fill_(0x38)
+                if "delta" in by:
+                    by["delta"].copy_((by["x"].float() * by["o"].float()).sum(-1).transpose(0, 1))
+                    by["dq_accum"].zero_()
+            else:
+                by["dq_accum"].add_(1.0)
+                by["dk"].fill_(2.0)
+                by["dv"].fill_(3.0)
+        return fn
+
+    monkeypatch.setattr(Bundle, "get", lambda self, name: stand_in(name))
+    monkeypatch.setattr(ops_mod, "_require_cuda", lambda q: None)
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(d))
+    _reference_fwd(monkeypatch)
+    t = 70  # T_pad = 80: the transposed copies are padded
+    q, k, v, _ = _qkv(T=t, grad=True)
+    cu = torch.tensor([0, 30, t], dtype=torch.int32)
+    do = torch.randn(t, HQ, D).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        o = flamia_gen.attention(q, k, v, cu, 40, route=route)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert torch.equal(dq, torch.ones_like(dq)) and torch.equal(dk, torch.full_like(dk, 2.0))
+    assert torch.equal(dv, torch.full_like(dv, 3.0))
+    names = [n for n, _ in calls]
+    bwd_name, bwd = calls[-1]
+    assert bwd_name.startswith(f"attn_bwd_sm90_{route}_d128") and not bwd_name.endswith("noncausal")
+    want_delta = (do.float() * o.detach().float()).sum(-1).transpose(0, 1)
+    assert torch.allclose(bwd["delta"], want_delta) and bwd["delta"].shape == (HQ, t)
+    assert bwd["softmax_scale"] == pytest.approx(D ** -0.5)
+    if route == "fp8_token":
+        assert names[:3] == ["quant_sm90_e4m3_tok_ceil_d128_t128_h1"] * 3  # Q, K, V recomputed
+        assert names[3] == "quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1"  # the dO launch
+        launch = calls[3][1]
+        assert bwd["dq_accum"] is launch["dq_accum"] and bwd["delta"] is launch["delta"]
+        assert bwd["do"].dtype == torch.float8_e4m3fn and bwd["q_t"].shape == (HQ, D, 80)
+        assert bwd["k_t"].shape == (HKV, D, 80) and bwd["v"].shape == (t, HKV, D)
+        assert torch.equal(bwd["work"], make_work_list(cu, 64, 128, True, key_align=16, T=t))
+    else:
+        assert names == [bwd_name]  # no quantizer on the bf16 route
+        assert bwd["q"].dtype == torch.bfloat16 and torch.equal(bwd["do"], do)
+        assert torch.equal(bwd["work"], make_work_list(cu, 64, 128, True, T=t))
+
+
+def test_bwd_work_list_is_cached_per_live_tensor():
+    from flamia_gen.runtime.attention import bwd_work_list
+    from flamia_gen.runtime.attn_bwd import make_work_list
+
+    params = {"tile_m": 64, "tile_n": 128, "causal": True}
+    cu = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    w = bwd_work_list(cu, 1000, params, fp8=True)
+    assert bwd_work_list(cu, 1000, params, fp8=True) is w
+    assert torch.equal(w, make_work_list(cu, 64, 128, True, key_align=16, T=1000))
+    assert torch.equal(bwd_work_list(cu, 1000, params, fp8=False), make_work_list(cu, 64, 128, True, T=1000))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_bundle(route):
+    from flamia_gen.runtime.attention import _current_bundle
+
+    try:
+        return _current_bundle(route)
+    except NoKernelError as e:
+        pytest.skip(str(e))
+
+
+GPU_CASES = [("fp8_token", True), ("fp8_token", False), ("bf16", True)]
+
+
+def _gpu_inputs(grad=False, seed=0):
+    lens = [300, 1000, 1, 129, 2048, 77]
+    t = sum(lens)
+    q, k, v, _ = _qkv("cuda", T=t, hq=8, hkv=2, grad=grad, seed=seed)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return q, k, v, cu, max(lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route, causal", GPU_CASES)
+def test_gpu_forward_equals_packed_attention(route, causal):
+    from flamia_gen.runtime import packed_attention
+
+    _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs()
+    o = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    ref = packed_attention(q, k, v, cu, m, route=route, causal=causal)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref)
+    o2, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
+    ref2, rlse = packed_attention(q, k, v, cu, m, route=route, causal=causal, return_lse=True)
+    assert torch.equal(o2, ref2) and torch.equal(lse, rlse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route, causal", GPU_CASES)
+def test_gpu_compile_fullgraph_bitwise_equals_eager(route, causal):
+    _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs()
+    eager = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, cu: flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route),
+                      fullgraph=True)
+    assert torch.equal(f(q, k, v, cu), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route, causal", GPU_CASES)
+def test_gpu_cuda_graph_replay_bitwise_equals_eager(route, causal):
+    _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs()
+    eager = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: bundle load, dispatch caches
+        for _ in range(2):
+            flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # new data in the same buffers: replay follows it
+    q2, k2, v2, _, _ = _gpu_inputs(seed=1)
+    for dst, src in ((q, q2), (k, k2), (v, v2)):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route))
+
+
+def _has_bwd(route, causal, d=D):
+    from flamia_gen.runtime.attention import bwd_candidates
+
+    return bool(bwd_candidates(_gpu_bundle(route), route, d, causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route, causal", GPU_CASES)
+def test_gpu_checkpoint(route, causal):
+    import torch.utils.checkpoint as cp
+
+    _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs(grad=True)
+    fn = lambda q, k, v: flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)  # noqa: E731
+    o = cp.checkpoint(fn, q, k, v, use_reentrant=False)
+    assert torch.equal(o, fn(q, k, v))
+    if not _has_bwd(route, causal):
+        with pytest.raises(NoKernelError, match="no backward kernel"):
+            o.float().sum().backward()
+        return
+    g_ck = torch.autograd.grad(o.float().sum(), (q, k, v))
+    g = torch.autograd.grad(fn(q, k, v).float().sum(), (q, k, v))
+    torch.testing.assert_close(g_ck[0], g[0], rtol=1e-2, atol=1e-2)  # dQ: fp32 atomics, not bitwise
+    assert torch.equal(g_ck[1], g[1]) and torch.equal(g_ck[2], g[2])  # dK, dV: deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route, causal", GPU_CASES)
+def test_gpu_backward_raises_until_the_bundle_has_a_kernel(route, causal):
+    _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs(grad=True)
+    o = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
+    if _has_bwd(route, causal):
+        dq, dk, dv = torch.autograd.grad(o.float().sum(), (q, k, v))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
+    else:
+        with pytest.raises(NoKernelError, match=f"no backward kernel for route '{route}'"):
+            torch.autograd.grad(o.float().sum(), (q, k, v))
