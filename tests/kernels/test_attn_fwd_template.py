@@ -433,3 +433,172 @@ def test_compile_fp8_k_row_perm_variant(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
                         str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+# ----------------------------------------------------------------------------- performance-experiment flags
+# kv_stages, release_k_early, exp_poly_frac, consumer_wgs3 (template flags, all off by default;
+# flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
+# defaults the rendered source must be byte-identical to the verified kernel.
+_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, consumer_wgs3=False)
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_experiment_flags_off_by_default_render_identical(v):
+    src = render_variant(v)
+    assert _render_with(v, **_EXP_OFF) == src
+    for tok in ("factor_slot", "ex2_poly3", "RELEASE_K_EARLY", "EXP_POLY_QUARTERS", "kv_stages",
+                "consumer_wgs3", "release_k_early", "exp_poly_frac"):
+        assert tok not in src
+
+
+def _factor_slot_fn(src: str):
+    (fn,) = _module_fns(src, ("factor_slot",))
+    stages = next(ast.literal_eval(n.value) for n in ast.parse(src).body
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "STAGES")
+    fn.__globals__["STAGES"] = stages
+    return fn, stages
+
+
+def _pipe_states(stages, n, phase0):
+    """(index, phase) per tile as the DSL's PipelineState.advance gives them."""
+    idx, ph = 0, phase0
+    for _ in range(n):
+        yield idx, ph
+        idx += 1
+        if idx == stages:
+            idx, ph = 0, ph ^ 1
+
+
+def _factor_race(slot_of, stages, n_tiles=64):
+    """Eager producer vs consumer order with K released right after QKᵀ: producer writes the
+    factors of tile t as soon as the consumers released K of tile t − stages (its K-empty wait);
+    the consumers' program order per tile is QKᵀ(t), release K(t), softmax(t) [reads slot(t)],
+    and QKᵀ(t+1) follows softmax(t) (overlap or not). Returns the first (t, t') where tile t's
+    write lands on a slot whose earlier tile t' was not yet read, or None."""
+    reads_done = set()
+    for t in range(n_tiles):
+        # write(t) happens right after release(t − stages): the softmaxes done by then are
+        # those of tiles ≤ t − stages − 1 (softmax(t − stages) comes after that release)
+        reads_done = set(range(t - stages))
+        for t2 in range(t):
+            if slot_of(t2) == slot_of(t) and t2 not in reads_done:
+                return t, t2
+    return None
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("v", _FP8, ids=lambda v: v.name)
+def test_release_k_early_factor_slots_protocol(v, stages):
+    src = _render_with(v, release_k_early=True, kv_stages=stages)
+    lit = _literals(src)["PARAMS"]
+    assert lit["release_k_early"] is True and lit["stages"] == lit["kv_stages"] == stages
+    assert f"STAGES = {stages}" in src and "RELEASE_K_EARLY = True" in src
+    factor_slot, S = _factor_slot_fn(src)
+    assert S == stages
+    # producer (phase starts at 1, passes phase ^ 1) and consumers agree on every tile's slot
+    prod = [factor_slot(i, p ^ 1) for i, p in _pipe_states(S, 200, 1)]
+    cons = [factor_slot(i, p) for i, p in _pipe_states(S, 200, 0)]
+    assert prod == cons and set(cons) == set(range(2 * S))
+    assert all(cons[t] == cons[t % (2 * S)] for t in range(200))  # reuse distance 2·stages
+    assert _factor_race(lambda t: cons[t], S) is None
+    # negative control: one slot per stage (the default layout) races with the early release
+    assert _factor_race(lambda t: t % S, S) is not None
+    # the factor buffer has 2·stages slots, on both sides of the allocation
+    assert src.count("2 * self.stages * self.scale_words") == 2
+    assert "base = factor_slot(kv_state.index, kv_state.phase ^ 1) * self.scale_words" in src
+    # K is released before the softmax reads the factors, in every consumer path
+    for fn in ("def one_tile(", "def overlap_tile(", "def first_tile("):
+        if fn not in src:
+            continue
+        body = src[src.index(fn):]
+        body = body[:body.index("    @cute.jit", 10) if "    @cute.jit" in body[10:] else len(body)]
+        rel, sm = body.find("pipe_k.consumer_release(kv_state)"), body.find("self.softmax(")
+        assert 0 < rel < sm, fn
+        assert "factor_slot(kv_state.index, kv_state.phase)" in body[sm:sm + 200]
+    # smem still fits with 3 stages at n192 (scales doubled)
+    n, d = v.param("tile_n"), v.param("head_dim")
+    smem = 128 * d + stages * 2 * n * d + 128 * (d + 8) * 2 + 2 * stages * 4 * n * 4 + 4 * 1024
+    assert smem <= 232448
+
+
+def _ex2_poly3_emulated(src: str):
+    """The PTX of ex2_poly3 (constants read from the rendered source) on numpy float32."""
+    import re
+    import struct
+
+    import numpy as np
+
+    i = src.index("def ex2_poly3(")
+    body = src[i:i + 2000]
+    hexf = lambda h: struct.unpack("<f", struct.pack("<I", int(h, 16)))[0]  # noqa: E731
+    lo = hexf(re.search(r"max\.ftz\.f32 xc, \$1, 0f([0-9A-F]{8})", body).group(1))
+    magic = hexf(re.search(r"add\.rm\.ftz\.f32 xr, xc, 0f([0-9A-F]{8})", body).group(1))
+    c3, c2 = map(hexf, re.search(r"fma\.rn\.ftz\.f32 p, f, 0f([0-9A-F]{8}), 0f([0-9A-F]{8})", body).groups())
+    c1, c0 = map(hexf, re.findall(r"fma\.rn\.ftz\.f32 p, p, f, 0f([0-9A-F]{8})", body))
+    assert "shl.b32 ri, ri, 23" in body and "add.s32 ri, ri, pb" in body
+
+    def f(x):
+        x = np.asarray(x, np.float32)
+        xc = np.where(np.isnan(x), np.float32(lo), np.maximum(x, np.float32(lo)))
+        xr = (np.float32(magic) + np.floor(xc)).astype(np.float32)  # add.rm: exact for |x| < 2^22
+        fr = (xc - (xr - np.float32(magic))).astype(np.float32)
+        p = np.float32(c0) + fr.astype(np.float64) * (c1 + fr.astype(np.float64) * (c2 + fr.astype(np.float64) * c3))
+        p = p.astype(np.float32)
+        bits = (xr.view(np.uint32) << np.uint32(23)) + p.view(np.uint32)
+        return bits.astype(np.uint32).view(np.float32)
+    return f
+
+
+@pytest.mark.parametrize("frac, quarters", [(0.25, 1), (0.5, 2)])
+def test_exp_poly_frac_render_and_accuracy(frac, quarters):
+    import numpy as np
+
+    v = next(v for v in _FP8 if "_ovl_" not in v.name and v.param("causal"))
+    src = _render_with(v, exp_poly_frac=frac)
+    assert _literals(src)["PARAMS"]["exp_poly_frac"] == frac
+    assert f"EXP_POLY_QUARTERS = {quarters}" in src
+    assert "if const_expr(cg % 4 < EXP_POLY_QUARTERS):" in src
+    ncg = v.param("tile_n") // 8
+    assert sum(cg % 4 < quarters for cg in range(ncg)) / ncg == frac  # the fraction of elements
+    f = _ex2_poly3_emulated(src)
+    x = np.concatenate([np.linspace(-126, 8, 200001, dtype=np.float32), np.float32([0, 1, 7.999, 8])])
+    rel = np.abs(f(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < 1e-4
+    assert f(np.float32([-np.inf, -1000.0, np.nan])).tolist() == [0.0, 0.0, 0.0]
+    assert np.all(f(np.float32([-127.0, -130.0])) < 2.0 ** -126)  # below ex2.approx.ftz's range: ~0
+
+
+def test_consumer_wgs3_render_registers_and_tiling():
+    from dataclasses import replace
+
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    tagged = experiment_variants(("wgs3",), base_variants=_FP8)
+    w3 = [v for t, v in tagged if t == "wgs3"]
+    assert w3 and all(v.param("tile_n") == 128 and not v.param("intra_wg_overlap") for v in w3)
+    for v in w3:
+        src = render_variant(v)
+        lit = _literals(src)["PARAMS"]
+        assert lit["tile_m"] == 192 and lit["compute_warpgroups"] == 3 and lit["consumer_wgs3"] is True
+        assert "TILE_M = 192" in src and "NUM_WG = 3" in src
+        assert "self.regs_producer = 32" in src and "self.regs_consumer = 160" in src
+        assert 128 * 32 + 3 * 128 * 160 <= 65536  # setmaxnreg budget of the 512-thread CTA
+        assert "def sched_wait(" not in src  # ping-pong is a 2-warpgroup protocol
+        # the manifest params (what the runtime's work list reads) agree with the source
+        assert dict(v.params)["tile_m"] == 192
+        test_key_tiling_aligned_and_covers_and_masks(v)
+    # the same flag alone (context only) renders the same kernel body
+    base = next(v for v in _FP8 if v.name + "_xwgs3" == w3[0].name)
+    assert _render_with(replace(base, name=w3[0].name), consumer_wgs3=True).split("\n", 2)[2] == \
+        render_variant(w3[0]).split("\n", 2)[2]
+
+
+def test_fwd_experiments_module_imports_without_dsl_and_names():
+    code = ("import sys; sys.modules['cutlass'] = None; import flamia_gen.bench.fwd_experiments as m; "
+            "tv = m.experiment_variants(); names = [v.name for _, v in tv]; "
+            "assert len(names) == len(set(names)); "
+            "assert all(m.split_name(v.name) == ((v.name[:-len(t) - 2], t) if t else (v.name, '')) for t, v in tv); "
+            "print(len(names))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) > 6

@@ -1,0 +1,218 @@
+"""Flag-gated performance experiments of the sm90 attention forward (one GPU session).
+
+Build here (CPU, needs the DSL), one bundle holding the default fp8_token variants and, per
+experiment, the same variants rendered with that experiment's template flags (name suffix
+`_x<tag>`, so a single runtime copy travels):
+
+    python -m flamia_gen.bench.fwd_experiments build -o .dev/bundle-exp [--jobs 2] [--only kvs3,relk]
+
+On the GPU host (no DSL; torch + tvm-ffi): verify every variant (Gaussian + tiny documents,
+O cosine vs the BF16-rounded emulator, leakage probe on causal ones) and time it kernel-only on
+[16384] and [4096]*4, then print one table:
+
+    python -m flamia_gen.bench.fwd_experiments run .dev/bundle-exp [--json out.json]
+
+Flags (templates/sm90/attn_fwd.py.j2, docs/kernels/attn_fwd.md "Next H200 session"): every flag
+has a template default and a render-context override of the same name; the bundle's manifest
+params carry the overrides. This module imports without the DSL (and without torch until `run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+# tag → (render-context / params overrides, which default variants it applies to, why restricted)
+EXPERIMENTS: dict[str, dict] = {
+    "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
+                 note="3 K/V stages (smem: n128 ~158 KB, n192 ~212 KB)"),
+    "relk": dict(over={"release_k_early": True}, when=lambda p: True,
+                 note="K released right after QKᵀ; factors in 2·stages slots"),
+    "kvs3relk": dict(over={"kv_stages": 3, "release_k_early": True}, when=lambda p: True,
+                     note="both"),
+    "poly25": dict(over={"exp_poly_frac": 0.25}, when=lambda p: True, note="25 % polynomial exp2"),
+    "poly50": dict(over={"exp_poly_frac": 0.5}, when=lambda p: True, note="50 % polynomial exp2"),
+    # 3 consumer warpgroups get setmaxnreg 160: S (tile_n/2) + O (D/2) + P fits only at n128
+    # without the overlap's second S.
+    "wgs3": dict(over={"consumer_wgs3": True, "compute_warpgroups": 3, "tile_m": 192},
+                 when=lambda p: p["tile_n"] == 128 and not p["intra_wg_overlap"],
+                 note="3 consumer WGs, tile_m 192, regs 32/160"),
+}
+DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
+ROUTE = "fp8_token"
+
+
+def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_variants=None):
+    """[(tag, variant)]: the route's default sm90 forward variants (tag "") and, per flag, the
+    overridden copies named `<name>_x<tag>`. Needs only the planner (no DSL)."""
+    if base_variants is None:
+        from ..plan import make_plan
+        from ..spec import KernelKind, load_specs
+
+        plan = make_plan(load_specs(), arch="sm90", kinds=[KernelKind.attn_fwd], routes=[route])
+        base_variants = plan.variants
+    out = [("", v) for v in base_variants]
+    for tag in flags:
+        if tag not in EXPERIMENTS:
+            raise KeyError(f"unknown experiment {tag!r}; known: {sorted(EXPERIMENTS)}")
+        ex = EXPERIMENTS[tag]
+        for v in base_variants:
+            p = dict(v.params)
+            if not ex["when"](p):
+                continue
+            p.update(ex["over"])
+            out.append((tag, replace(v, name=f"{v.name}_x{tag}", params=tuple(sorted(p.items())))))
+    return out
+
+
+def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE) -> dict:
+    """Build the default variants and every experiment's overridden variants into ONE bundle at
+    `out_dir` (one runtime copy). Needs the DSL (imported lazily through the builder)."""
+    from ..build.builder import build_all
+    from ..build.bundle import write_bundle
+    from ..build.cache import BuildCache
+
+    tagged = experiment_variants(flags, route)
+    vs = [v for _, v in tagged]
+    cache = BuildCache()
+    t0 = time.perf_counter()
+    res = build_all(vs, jobs=jobs, cache=cache, use_generated=False)
+    for r in res:
+        print(f"{r.name:90s} {r.status:7s} {r.seconds:6.1f}s {r.message[:160]}", flush=True)
+    failed = [r.name for r in res if r.status == "failed"]
+    m = write_bundle(Path(out_dir), "sm90", vs, res, cache)
+    print(f"{len(m['variants'])} variants in {out_dir} ({len(failed)} failed) in {time.perf_counter() - t0:.0f}s")
+    return m
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(base variant name, experiment tag or "")."""
+    for tag in sorted(EXPERIMENTS, key=len, reverse=True):
+        if name.endswith(f"_x{tag}"):
+            return name[: -len(tag) - 2], tag
+    return name, ""
+
+
+def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True, probe=True, iters=20,
+        json_out=None, causal_only=False) -> list[dict]:
+    """GPU host: verify and time every attn_fwd variant of the bundle; print one table."""
+    import torch
+
+    from ..runtime.bundle import load_bundle
+    from ..verify.attn_gpu import time_attn_entry, verify_attn_entry
+
+    b = load_bundle(bundle_dir)
+    entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == "attn_fwd"]
+    if only:
+        keep = set(only)
+        entries = [e for e in entries if split_name(e["name"])[1] in keep]
+    if causal_only:
+        entries = [e for e in entries if e["params"]["causal"]]
+    inputs_cache: dict = {}
+    rows = []
+    t_start = time.perf_counter()
+    for e in entries:
+        base, tag = split_name(e["name"])
+        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
+        try:
+            if verify:
+                vr = verify_attn_entry(b, e, kinds=("gauss", "tiny_docs"), probe=probe)
+                row["ok"] = all(r["ok"] for r in vr)
+                row["cos_emu"] = min(r["cos_emulator"] for r in vr)
+                pr = [r.get("probe_max_rel_change") for r in vr if "probe_max_rel_change" in r]
+                row["probe"] = max(pr) if pr else None
+            for docs in workloads:
+                t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
+                row[f"{len(docs)}x{docs[0]}"] = t["tflops"]
+        except Exception as ex:  # noqa: BLE001 - one broken experiment must not stop the table
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        rows.append(row)
+        print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+        if "error" in row:
+            try:  # a sticky CUDA error (illegal instruction, ...) poisons every later launch
+                torch.cuda.synchronize()
+            except Exception as ex:  # noqa: BLE001
+                print(f"CUDA context lost after {e['name']} ({type(ex).__name__}); rerun with --only "
+                      f"without tag {tag or 'default'!r}", flush=True)
+                break
+    print()
+    print(table(rows, workloads))
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _wl_keys(workloads):
+    return [f"{len(d)}x{d[0]}" for d in workloads]
+
+
+def _fmt_row(row, workloads) -> str:
+    short = row["variant"].replace("attn_fwd_sm90_", "").replace("_wg2_preg", "").replace("_longest_first", "")
+    cells = [f"{short:38s}", f"{row['tag']:9s}"]
+    if "ok" in row:
+        cells.append(f"{'ok ' if row['ok'] else 'BAD'} cos {row['cos_emu']:.6f}")
+        cells.append(f"probe {row['probe']:.1e}" if row.get("probe") is not None else "probe  -     ")
+    for k in _wl_keys(workloads):
+        cells.append(f"{k} {row[k]:6.0f}" if k in row else f"{k}      -")
+    if "error" in row:
+        cells.append("ERROR " + row["error"])
+    return "  ".join(cells)
+
+
+def table(rows, workloads) -> str:
+    """One line per variant × experiment, plus the speed-up over the default per workload."""
+    base = {(r["variant"]): r for r in rows if r["tag"] == "default"}
+    lines = ["variant | experiment | verify | cos_emu | " + " | ".join(
+        f"{k} TFLOP/s (×default)" for k in _wl_keys(workloads)), "---|---|---|---|" + "---|" * len(workloads)]
+    for r in sorted(rows, key=lambda r: (r["variant"], r["tag"] != "default", r["tag"])):
+        short = r["variant"].replace("attn_fwd_sm90_", "")
+        cells = [short, r["tag"], ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
+                 f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-"]
+        for k in _wl_keys(workloads):
+            if k not in r:
+                cells.append("ERROR" if "error" in r else "-")
+                continue
+            d = base.get(r["variant"], {}).get(k)
+            cells.append(f"{r[k]:.0f}" + (f" ({r[k] / d:.2f}×)" if d and r["tag"] != "default" else ""))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flamia_gen.bench.fwd_experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="CPU: build the experiment bundle (needs the DSL)")
+    b.add_argument("-o", "--out", default=".dev/bundle-exp")
+    b.add_argument("--only", default=",".join(DEFAULT_EXPERIMENTS), help="comma-separated experiment tags")
+    b.add_argument("--jobs", type=int, default=2)
+    r = sub.add_parser("run", help="GPU: verify and time every variant of the bundle")
+    r.add_argument("bundle")
+    r.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
+    r.add_argument("--no-verify", action="store_true")
+    r.add_argument("--no-probe", action="store_true")
+    r.add_argument("--causal-only", action="store_true")
+    r.add_argument("--iters", type=int, default=20)
+    r.add_argument("--json", default=None)
+    sub.add_parser("list", help="print the experiments")
+    a = ap.parse_args(argv)
+    if a.cmd == "list":
+        for tag, ex in EXPERIMENTS.items():
+            print(f"{tag:9s} {ex['over']}  {ex['note']}")
+        return 0
+    if a.cmd == "build":
+        flags = [f for f in a.only.split(",") if f]
+        m = build_experiment_bundles(a.out, flags, jobs=a.jobs)
+        return 0 if m["variants"] else 1
+    only = [t if t != "default" else "" for t in a.only.split(",") if t] or None
+    rows = run(a.bundle, only=only, verify=not a.no_verify, probe=not a.no_probe, iters=a.iters,
+               json_out=a.json, causal_only=a.causal_only)
+    return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
