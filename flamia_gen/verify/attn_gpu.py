@@ -9,7 +9,6 @@ of its document, and every row of other documents, bitwise unchanged on exact ro
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -17,15 +16,17 @@ import torch
 from ..numerics import quantize
 from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
-from ..runtime.attn_fwd import run_attn_fwd
+from ..bench.flops import attention_flops
+from ..runtime.attention import per_token_scales
+from ..runtime.attn_fwd import make_work_list, run_attn_fwd
 from ..spec import get_route
 
-# Kernel vs emulator, per input kind (one table, TE style). Outlier rows are so peaked
-# that most P̂ fall in E4M3's subnormal range, where the kernel (P̂ quantized under the
-# running max of the tiles seen so far, then rescaled by an exact power of two) and the
-# emulator (P̂ under the final max) round differently: measured 0.99978–0.99982 on the
-# H200. Emulating the kernel's tile order in the emulator would close that gap.
-EMULATOR_COSINE = {"gauss": 0.99999, "tiny_docs": 0.99999, "one_doc": 0.99999, "outlier": 0.9995}
+# Kernel vs emulator, every input kind. Outlier rows fail it today (0.99978–0.99982 on
+# the H200): most P̂ fall in E4M3's subnormal range, where the kernel (P̂ under the running
+# max of the tiles seen so far) and the emulator (P̂ under the final max) round
+# differently. The fix belongs in the emulator (emulate the kernel's tile order), not in
+# a looser bound here.
+EMULATOR_COSINE = 0.99999
 FP32_COSINE_8BIT = 0.998
 
 
@@ -67,30 +68,14 @@ def kernel_inputs(route, q, k, v, cu):
                 v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
 
 
-def per_token_scales(scales, x):
-    """The forward reads one exponent per (token, head); a tensor-wide scale is broadcast."""
-    from ..runtime.attention import per_token_scales as f
-
-    return f(scales, x)
-
-
 def run_kernel(fn, entry, route, q, k, v, cu, poison=True):
     ins = kernel_inputs(route, q, k, v, cu)
     return run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], poison=poison, **ins)
 
 
-def _row_mask_before(cu, pos):
-    """Rows whose output must not move when token `pos` changes: earlier rows of its
-    document and every row of every other document."""
-    T = int(cu[-1])
-    doc = int(torch.searchsorted(cu, torch.tensor(pos, dtype=cu.dtype, device=cu.device), right=True)) - 1
-    start, end = int(cu[doc]), int(cu[doc + 1])
-    keep = torch.ones(T, dtype=torch.bool)
-    keep[pos:end] = False
-    return keep, (start, end)
-
-
-def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3, gen=None) -> dict:
+def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3) -> dict:
+    """Perturb token `pos` of a document: every earlier row of that document and every row
+    of every other document must not move (rows pos..end of its document may)."""
     o0, _ = run_kernel(fn, entry, route, q, k, v, cu)
     lens = (cu[1:] - cu[:-1]).tolist()
     docs = [i for i, n in enumerate(lens) if n >= 64]
@@ -99,13 +84,14 @@ def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3, gen=N
         d = docs[i % len(docs)]
         start, end = int(cu[d]), int(cu[d + 1])
         pos = start + (end - start) * (i + 1) // (n_positions + 1)
+        keep = torch.ones(o0.shape[0], dtype=torch.bool, device=o0.device)
+        keep[pos:end] = False
         for which in ("q", "k", "v"):
             t = dict(q=q, k=k, v=v)
             t[which] = t[which].clone()
             t[which][pos] = (t[which][pos].float() * factor).to(torch.bfloat16)
             o1, _ = run_kernel(fn, entry, route, t["q"], t["k"], t["v"], cu)
-            keep, _ = _row_mask_before(cu.cpu(), pos)
-            a, b = o0[keep.to(o0.device)].float(), o1[keep.to(o0.device)].float()
+            a, b = o0[keep].float(), o1[keep].float()
             diff = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
             worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
     return {"probe_max_rel_change": worst, "probe_exact": worst == 0.0}
@@ -140,7 +126,7 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
             if fin.any() else 0.0
         lse_inf_ok = bool((torch.isinf(lse_k) == torch.isinf(emu_lse)).all())
         need_ref = FP32_COSINE_8BIT if route.quantized else 0.99999
-        ok = nan == 0 and c_emu >= EMULATOR_COSINE[kind] and (kind == "outlier" or c_ref >= need_ref) and lse_err < 2e-3 \
+        ok = nan == 0 and c_emu >= EMULATOR_COSINE and (kind == "outlier" or c_ref >= need_ref) and lse_err < 2e-3 \
             and lse_inf_ok
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
                    nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_rel_err=lse_err, lse_inf_ok=lse_inf_ok)
@@ -157,12 +143,9 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
     return rows
 
 
-def causal_flops(doc_lens, heads, d) -> float:
-    return sum(4.0 * d * n * (n + 1) / 2 for n in doc_lens) * heads
-
-
 def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: dict | None = None) -> dict:
-    """Kernel-only time (inputs already quantized), CUDA events, median; causal FLOPs.
+    """Kernel-only time (inputs already quantized, work list built once outside the
+    timer), CUDA events, median; causal FLOPs.
     `inputs_cache` (a dict the caller keeps) shares the input sets between variants of one
     route and shape (making them on the CPU costs seconds at T = 16384)."""
     from ..bench.timing import time_cuda
@@ -170,7 +153,8 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
     route = get_route(entry["uses"][0])
     fn = bundle.get(entry["name"])
     d = entry["params"]["head_dim"]
-    key = (route.name, tuple(doc_lens), heads, d)
+    p = entry["params"]
+    key = (route.name, tuple(doc_lens), heads, d, p["tile_m"], p.get("tile_n"), p["causal"])
     sets = inputs_cache.get(key) if inputs_cache is not None else None
     if sets is None:
         gen = torch.Generator().manual_seed(1)
@@ -178,18 +162,16 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
         for _ in range(3):  # rotate inputs so L2 does not hold them
             q, k, v, cu = make_qkv(doc_lens, heads, heads, d, "gauss", gen, "cuda")
             ins = kernel_inputs(route, q, k, v, cu)
-            sets.append((ins, cu))
+            p = entry["params"]
+            work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+            sets.append((ins, cu, work))
         if inputs_cache is not None:
             inputs_cache[key] = sets
 
     def caller(i):
-        ins, cu = sets[i]
-        return lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], **ins)
+        ins, cu, work = sets[i]
+        return lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], work=work, **ins)
 
     st = time_cuda([caller(i) for i in range(len(sets))], warmup=5, repeats=iters, measure_memory=False)
-    fl = causal_flops(doc_lens, heads, d) if entry["params"]["causal"] else 4.0 * d * sum(n * n for n in doc_lens) * heads
+    fl = attention_flops(doc_lens, heads, d, causal=entry["params"]["causal"])
     return dict(variant=entry["name"], median_ms=st.median_ms, tflops=fl / (st.median_ms * 1e-3) / 1e12)
-
-
-def softmax_scale_default(d: int) -> float:
-    return 1.0 / math.sqrt(d)
