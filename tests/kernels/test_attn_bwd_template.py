@@ -8,8 +8,6 @@ Nothing here runs the kernel: it has never been executed on a GPU (docs/kernels/
 from __future__ import annotations
 
 import ast
-import glob
-import os
 import shutil
 import subprocess
 import sys
@@ -229,33 +227,10 @@ def test_runtime_imports_without_dsl():
 
 
 # ----------------------------------------------------------------------------- compile
-def _dsl_available() -> bool:
-    try:
-        import cutlass  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-def _compile(v, tmp_path: Path) -> str:
-    src = tmp_path / f"{v.name}.py"
-    src.write_text(render_variant(v))
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
-    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
-                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, env=env,
-                       timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert (tmp_path / f"{v.name}.o").stat().st_size > 0
-    return "".join(Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")))
-
-
 @pytest.mark.compile
-@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
-def test_compile_fp8_token_variant(variants, tmp_path):
+def test_compile_fp8_token_variant(variants, compile_sm90):
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal"))
-    ptx = _compile(v, tmp_path)
+    ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # Sᵀ, dPᵀ, dQ
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK (A from registers)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
@@ -265,9 +240,8 @@ def test_compile_fp8_token_variant(variants, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
-def test_compile_bf16_variant(variants, tmp_path):
+def test_compile_bf16_variant(variants, compile_sm90):
     v = next(v for v in variants if v.route == "bf16" and v.param("causal"))
-    ptx = _compile(v, tmp_path)
+    ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx

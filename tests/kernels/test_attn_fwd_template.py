@@ -8,8 +8,6 @@ FP8 wgmma.
 from __future__ import annotations
 
 import ast
-import glob
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -196,33 +194,10 @@ def test_runtime_imports_without_dsl():
 
 
 # ----------------------------------------------------------------------------- compile
-def _dsl_available() -> bool:
-    try:
-        import cutlass  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-def _compile_variant(v, tmp_path: Path) -> str:
-    src = tmp_path / f"{v.name}.py"
-    src.write_text(render_variant(v))
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
-    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
-                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, env=env,
-                       timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert (tmp_path / f"{v.name}.o").stat().st_size > 0
-    return "".join(Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")))
-
-
 @pytest.mark.compile
-@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
-def test_compile_fp8_token_variant(tmp_path):
+def test_compile_fp8_token_variant(compile_sm90):
     v = next(v for v in VARIANTS if v.param("q_fmt") == "e4m3" and "_ovl_" in v.name and not v.name.endswith("_noncausal"))
-    ptx = _compile_variant(v, tmp_path)
+    ptx = compile_sm90(v)
     n = v.param("tile_n")
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ptx  # QKᵀ
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # PV, P from registers
@@ -232,10 +207,9 @@ def test_compile_fp8_token_variant(tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
-def test_compile_bf16_variant(tmp_path):
+def test_compile_bf16_variant(compile_sm90):
     v = next(v for v in VARIANTS if v.route == "bf16" and "_ovl_" not in v.name)
-    ptx = _compile_variant(v, tmp_path)
+    ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
 
 
@@ -425,14 +399,9 @@ def test_run_attn_fwd_k_row_perm_passes_padded_k():
 
 
 @pytest.mark.compile
-@pytest.mark.skipif(not _dsl_available(), reason="needs nvidia-cutlass-dsl")
-def test_compile_fp8_k_row_perm_variant(tmp_path):
+def test_compile_fp8_k_row_perm_variant(compile_sm90):
     v = next(v for v in _FP8 if "_ovl_" in v.name and not v.name.endswith("_noncausal"))
-    src = tmp_path / f"{v.name}.py"
-    src.write_text(_render_with(v, k_row_perm=True))
-    r = subprocess.run([sys.executable, "-m", "flamia_gen.build.worker", str(src), "sm_90a",
-                        str(tmp_path / f"{v.name}.o"), v.name], capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    compile_sm90(v, source=_render_with(v, k_row_perm=True))
 
 
 # ----------------------------------------------------------------------------- performance-experiment flags
