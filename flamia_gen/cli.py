@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .spec import Arch, SpecError, load_specs
+from .spec import Arch, SpecError, SpecSet, load_specs
 
 console = Console()
 ARCHS = [a.value for a in Arch]
@@ -28,6 +28,15 @@ def _specs(path: str | None):
         return load_specs(path)
     except SpecError as e:
         raise Fail(str(e)) from None
+
+
+def _known_routes(routes) -> SpecSet:
+    """The shipped specs, after checking that every route named exists (else exit 2)."""
+    s = _specs(None)
+    for r in routes:
+        if r not in s.routes:
+            raise Fail(f"unknown route {r!r}; allowed values: {sorted(s.routes)}")
+    return s
 
 
 def _plan(specs, arch=None, routes=None):
@@ -65,7 +74,7 @@ def specs_list(specs_dir):
     for c in ("route", "q", "k", "v", "dO", "P", "dS", "safeguards", "exact"):
         t.add_column(c)
     for r in s.routes.values():
-        ops = dict((o.value, oq.short_str()) for o, oq in r.operands.items())
+        ops = {o.value: oq.short_str() for o, oq in r.operands.items()}
         guards = ",".join(g for g, on in (("diag:" + r.diagonal.value, r.diagonal.value != "none"),
                                           ("k_fold", r.k_fold), ("causal_dq", r.causal_dq_scale)) if on) or "-"
         t.add_row(r.name, ops["q"], ops["k"], ops["v"], ops["do"], ops["p"], ops["ds"], guards,
@@ -201,7 +210,8 @@ def build(specs_dir, arch, routes, names, jobs, force, json_out):
         console.print("[yellow]sm100: compiled, not executed (no Blackwell GPU here)[/yellow]")
     if json_out:
         Path(json_out).write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v
-                                               for k, v in r.__dict__.items()} for r in results], indent=1))
+                                               for k, v in r.__dict__.items() if k != "source"}
+                                              for r in results], indent=1))
     if failed:
         raise click.ClickException(f"{len(failed)} of {len(results)} variants failed to compile")
 
@@ -240,10 +250,7 @@ def bundle(specs_dir, arch, routes, names, jobs, out_dir):
 @click.option("--outliers", is_flag=True, help="inputs with outlier tokens")
 def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers):
     """cpu: emulated routes vs fp32 + leakage probe. cuda: kernels vs the emulator."""
-    specs_set = _specs(None)
-    for r in routes:
-        if r not in specs_set.routes:
-            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs_set.routes)}")
+    _known_routes(routes)
     if device == "cpu":
         from .verify.cpu import render_table, to_json, verify_cpu
 
@@ -271,10 +278,7 @@ def probe(routes, device, bundle_dir, factor, json_out):
     max relative change of every earlier O (and dQ) row. Exact routes must show 0."""
     import torch
 
-    specs_set = _specs(None)
-    for r in routes:
-        if r not in specs_set.routes:
-            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs_set.routes)}")
+    specs_set = _known_routes(routes)
     names = list(routes) or sorted(specs_set.routes)
     rows = []
     if device == "cpu":

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..plan import Variant
-from ..render import generated_path, render_variant
+from ..render import render_variant
 from .cache import BuildCache, cache_key
 from .toolchain import dsl_runtime_lib, linker, tvm_ffi_lib
 
@@ -32,6 +32,7 @@ class BuildResult:
     message: str = ""
     key: str = ""
     uses: tuple = field(default_factory=tuple)
+    source: str = field(default="", repr=False)  # the rendered text compiled (the bundle reads it)
 
 
 def _last_error_line(text: str) -> str:
@@ -56,7 +57,7 @@ def build_variant(variant: Variant, cache: BuildCache, *, source: str | None = N
     arch = variant.arch.cute_arch
     source = source if source is not None else render_variant(variant)
     key = cache_key(source, arch)
-    res = BuildResult(variant.name, variant.arch.value, "failed", key=key, uses=variant.uses)
+    res = BuildResult(variant.name, variant.arch.value, "failed", key=key, uses=variant.uses, source=source)
     if not force:
         hit, _ = cache.lookup(variant.name, arch, key)
         if hit:
@@ -94,18 +95,16 @@ def build_variant(variant: Variant, cache: BuildCache, *, source: str | None = N
 def build_all(variants: list[Variant], *, jobs: int = 1, cache: BuildCache | None = None, force: bool = False,
               use_generated: bool = True,
               progress: Callable[[BuildResult], None] | None = None) -> list[BuildResult]:
-    """Build every variant; results in the input order. `use_generated` compiles the
-    committed file in `generated/` when it matches the template (it always should: a test
-    checks), so what is built is what is reviewed."""
+    """Build every variant; results in the input order. What is compiled is the variant
+    rendered from its template: byte for byte the committed `generated/` file, which a test
+    keeps fresh (`flamia-gen render --check`). `use_generated` has no effect; it is kept
+    for callers that still pass it."""
     cache = cache or BuildCache()
 
     def one(v: Variant) -> BuildResult:
-        text = render_variant(v)
-        path = generated_path(v)
-        if use_generated and path.exists() and path.read_text() != text:
-            text = render_variant(v)  # stale file: the template wins; `flamia-gen render` fixes it
+        source = render_variant(v)  # outside the try: a template error stops the build
         try:
-            r = build_variant(v, cache, source=text, force=force)
+            r = build_variant(v, cache, source=source, force=force)
         except Exception as e:  # a variant never stops the build
             r = BuildResult(v.name, v.arch.value, "failed", message=f"{type(e).__name__}: {e}", uses=v.uses)
         if progress:

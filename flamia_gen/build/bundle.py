@@ -23,9 +23,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..plan import Variant
-from ..render import render_variant
 from .builder import BuildResult
-from .cache import BuildCache, sha256_file
+from .cache import BuildCache, atomic_write, sha256_file
 from .toolchain import dsl_runtime_lib, dsl_version, tvm_ffi_version
 
 BUNDLE_FORMAT = 1
@@ -42,13 +41,14 @@ def _module_literal(source: str, name: str):
     return None
 
 
-def packed_runtime(cache: BuildCache) -> Path:
-    """The xz of the DSL runtime, made once per runtime build and kept in the cache."""
+def packed_runtime(cache: BuildCache) -> tuple[Path, str]:
+    """(the xz of the DSL runtime, the raw runtime's sha256): packed once per runtime build
+    and kept in the cache."""
     lib = dsl_runtime_lib()
     digest = sha256_file(lib)
     out = cache.root / "runtime" / f"{RUNTIME_NAME}.{digest[:16]}.xz"
     if out.exists():
-        return out
+        return out, digest
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f, open(lib, "rb") as src:
@@ -57,7 +57,7 @@ def packed_runtime(cache: BuildCache) -> Path:
             f.write(comp.compress(chunk))
         f.write(comp.flush())
     os.replace(tmp, out)
-    return out
+    return out, digest
 
 
 def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: list[BuildResult],
@@ -67,8 +67,8 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
     out_dir = Path(out_dir)
     (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
     (out_dir / "lib").mkdir(parents=True, exist_ok=True)
-    old_manifest = out_dir / "manifest.json"
-    old_manifest.unlink(missing_ok=True)
+    manifest_path = out_dir / "manifest.json"
+    manifest_path.unlink(missing_ok=True)
     by_name = {v.name: v for v in variants}
     entries = []
     for r in results:
@@ -77,7 +77,6 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
         v = by_name[r.name]
         dst = out_dir / "kernels" / f"{v.name}.so"
         shutil.copyfile(r.so, dst)
-        source = render_variant(v)
         entries.append({
             "name": v.name,
             "file": f"kernels/{v.name}.so",
@@ -85,12 +84,12 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
             "kind": v.kind.value,
             "family": v.family,
             "spec_hash": v.spec_hash,
-            "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+            "source_sha256": hashlib.sha256(r.source.encode()).hexdigest(),  # what was compiled
             "uses": list(v.uses),
             "params": dict(v.params),
-            "args": _module_literal(source, "ARGS"),
+            "args": _module_literal(r.source, "ARGS"),
         })
-    rt_xz = packed_runtime(cache)
+    rt_xz, rt_sha256 = packed_runtime(cache)
     shutil.copyfile(rt_xz, out_dir / "lib" / f"{RUNTIME_NAME}.xz")
     keep = {e["file"] for e in entries}
     for f in (out_dir / "kernels").glob("*.so"):
@@ -104,11 +103,8 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
         "tvm_ffi_version": tvm_ffi_version(),
         "executed_here": arch == "sm90",
         "runtime": {"file": f"lib/{RUNTIME_NAME}.xz", "sha256_xz": sha256_file(out_dir / "lib" / f"{RUNTIME_NAME}.xz"),
-                    "sha256": sha256_file(dsl_runtime_lib())},
+                    "sha256": rt_sha256},
         "variants": sorted(entries, key=lambda e: e["name"]),
     }
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, old_manifest)
+    atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest

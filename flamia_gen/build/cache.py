@@ -38,6 +38,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, then rename: readers see the old file or
+    the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def cache_key(source: str, arch: str) -> str:
     h = hashlib.sha256()
     for part in (source, dsl_version() or "no-dsl", tvm_ffi_version() or "no-tvm-ffi", arch, python_tag(),
@@ -82,19 +91,12 @@ class BuildCache:
         return None, "corrupt entry removed"
 
     def store(self, name: str, arch: str, key: str, so_file: Path, meta: dict) -> CacheEntry:
-        """Atomic: copy to a temp file in the same folder, then rename."""
+        """Atomic: the `.so`, then its record (a record never names missing bytes)."""
         e = self.entry(name, arch, key)
         e.so.parent.mkdir(parents=True, exist_ok=True)
         data = Path(so_file).read_bytes()
-        for target, payload in ((e.so, data),):
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, target)
+        atomic_write(e.so, data)
         rec = dict(meta, name=name, arch=arch, key=key, sha256=hashlib.sha256(data).hexdigest(),
                    dsl_version=dsl_version(), tvm_ffi_version=tvm_ffi_version(), cache_format=CACHE_FORMAT)
-        fd, tmp = tempfile.mkstemp(dir=e.record.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec, f, indent=1, sort_keys=True)
-        os.replace(tmp, e.record)
+        atomic_write(e.record, json.dumps(rec, indent=1, sort_keys=True).encode())
         return e

@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import __version__
-from ..spec import Arch, Format, Granularity, KernelFamily, KernelKind, Operand, Route, SpecSet
+from ..spec import Arch, Format, KernelFamily, KernelKind, Operand, Route, SpecSet
 from ..spec.route import operand_quant
 from .feasibility import check_attn, check_attn_bwd, check_quant
 from .naming import procedural_name
@@ -129,45 +129,48 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
     plan = Plan()
     uses: dict[str, list[str]] = {}
     found: dict[str, Variant] = {}
+    pruned: set[str] = set()
+    check_attn_kind = check_attn_bwd if fam.kind is KernelKind.attn_bwd else check_attn
     for rname in fam.routes:
         if routes and rname not in routes:
             continue
         route = specs.route(rname)
         if fam.kind is not KernelKind.quant:
+            elem_bytes = 2 if route.operands.q.format is Format.bf16 else 1
+            spec_hash = route.spec_hash()
             for params in _attn_points(fam, route):
                 name = procedural_name(fam.kind, fam.arch, route.name, params)
                 if not params["causal"]:
                     name += "_noncausal"
-                check = check_attn_bwd if fam.kind is KernelKind.attn_bwd else check_attn
-                ok, reason = check(fam.arch, 2 if route.operands.q.format is Format.bf16 else 1, params)
+                ok, reason = check_attn_kind(fam.arch, elem_bytes, params)
                 if not ok:
                     plan.pruned.append(Pruned(name, fam.name, reason))
                     continue
                 found[name] = Variant(name=name, family=fam.name, arch=fam.arch, kind=fam.kind,
-                                      template=fam.template, route=route.name, spec_hash=route.spec_hash(),
+                                      template=fam.template, route=route.name, spec_hash=spec_hash,
                                       params=tuple(sorted(params.items())))
                 uses.setdefault(name, []).append(route.name)
             continue
         for op, oq, params in _quant_points(fam, route):
-            name = procedural_name(fam.kind, fam.arch, oq.short_str(), params)
+            name = procedural_name(fam.kind, fam.arch, params["quant"], params)
             uses.setdefault(name, []).append(f"{route.name}.{op.value}")
-            if name in found or any(p.name == name for p in plan.pruned):
+            if name in found or name in pruned:
                 continue
             ok, reason = check_quant(fam.arch, oq, params)
             if ok and params["with_delta"]:
                 ok, reason = _delta_supported(oq)
             if not ok:
+                pruned.add(name)
                 plan.pruned.append(Pruned(name, fam.name, reason))
                 continue
-            tag, rep = oq.short_str(), oq.model_dump(mode="json")
+            tag, rep = params["quant"], oq.model_dump(mode="json")
             if params["with_delta"]:
                 # its own representation tag (and tuning group): it takes o and writes delta, dq_accum
                 tag, rep = tag + "_delta", dict(rep, with_delta=True)
             found[name] = Variant(
                 name=name, family=fam.name, arch=fam.arch, kind=fam.kind, template=fam.template,
                 route=tag, spec_hash=_hash(rep), params=tuple(sorted(params.items())))
-    for name, v in found.items():
-        plan.variants.append(Variant(**{**v.__dict__, "uses": tuple(sorted(uses[name]))}))
+    plan.variants = [replace(v, uses=tuple(sorted(uses[name]))) for name, v in found.items()]
     return plan
 
 
@@ -198,4 +201,4 @@ def make_plan(specs: SpecSet, *, arch: Arch | str | None = None, routes: list[st
     return plan
 
 
-__all__ = ["Variant", "Pruned", "Plan", "expand_family", "make_plan", "Operand", "Granularity"]
+__all__ = ["Variant", "Pruned", "Plan", "expand_family", "make_plan"]

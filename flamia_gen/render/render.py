@@ -10,6 +10,7 @@ import ast
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import jinja2
@@ -30,7 +31,10 @@ def generated_dir() -> Path:
     return Path(os.environ.get("FLAMIA_GEN_GENERATED", REPO_ROOT / "generated"))
 
 
+@lru_cache(maxsize=8)
 def _environment(root: Path) -> jinja2.Environment:
+    # one per templates folder, so each template is compiled once per process, not once
+    # per variant (auto_reload still picks up an edited template)
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(root)),
         undefined=jinja2.StrictUndefined,
@@ -46,7 +50,7 @@ def _check_context(ctx: dict) -> None:
     for k, v in ctx.items():
         vals = v if isinstance(v, (list, tuple)) else [v]
         for x in vals:
-            if isinstance(x, bool) or isinstance(x, int) or isinstance(x, float):
+            if isinstance(x, (int, float)):  # bool is an int
                 continue
             if not isinstance(x, str) or not _SAFE_STR.match(x):
                 raise ValueError(f"context value {k}={x!r} is not a safe literal")
@@ -55,12 +59,12 @@ def _check_context(ctx: dict) -> None:
 def render_variant(variant: Variant, root: Path | None = None) -> str:
     ctx = variant.context
     _check_context(ctx)
-    env = _environment(root or templates_dir())
+    root = Path(root or templates_dir())
     try:
-        body = env.get_template(variant.template).render(**ctx)
+        body = _environment(root).get_template(variant.template).render(**ctx)
     except jinja2.TemplateNotFound as e:
         raise FileNotFoundError(f"template {e.name!r} for variant {variant.name} not found under "
-                                f"{root or templates_dir()}") from None
+                                f"{root}") from None
     text = HEADER.format(template=variant.template, name=variant.name, spec_hash=variant.spec_hash) + body
     if not text.endswith("\n"):
         text += "\n"

@@ -8,27 +8,21 @@ file, never a silent load.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import lzma
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+from ..build.cache import sha256_file  # standard library only, no DSL
 
 SUPPORTED_FORMATS = (1,)
 
 
 class BundleError(RuntimeError):
     pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(bundle_dir: Path | str) -> dict:
@@ -49,11 +43,11 @@ def read_manifest(bundle_dir: Path | str) -> dict:
 def _unpack_runtime(d: Path, rt: dict) -> Path:
     """Unpack the xz once into a per-digest folder; verify the raw bytes too."""
     xz = d / rt["file"]
-    if not xz.exists() or _sha256(xz) != rt["sha256_xz"]:
+    if not xz.exists() or sha256_file(xz) != rt["sha256_xz"]:
         raise BundleError(f"{xz}: missing or its sha256 does not match the manifest")
     cache = Path(os.environ.get("FLAMIA_GEN_RUNTIME_DIR", Path(tempfile.gettempdir()) / "flamia-gen-runtime"))
     out = cache / rt["sha256"][:16] / "libcute_dsl_runtime.so"
-    if out.exists() and _sha256(out) == rt["sha256"]:
+    if out.exists() and sha256_file(out) == rt["sha256"]:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
@@ -61,7 +55,7 @@ def _unpack_runtime(d: Path, rt: dict) -> Path:
         for chunk in iter(lambda: src.read(1 << 20), b""):
             f.write(chunk)
     os.replace(tmp, out)
-    if _sha256(out) != rt["sha256"]:
+    if sha256_file(out) != rt["sha256"]:
         out.unlink()
         raise BundleError(f"{xz}: unpacked runtime does not match the manifest's sha256")
     return out
@@ -78,13 +72,10 @@ class Bundle:
     def arch(self) -> str:
         return self.manifest["arch"]
 
-    @property
+    @cached_property
     def variants(self) -> dict[str, dict]:
         # built once: the runtime asks on every call
-        cached = self.__dict__.get("_by_name")
-        if cached is None:
-            cached = self.__dict__["_by_name"] = {v["name"]: v for v in self.manifest["variants"]}
-        return cached
+        return {v["name"]: v for v in self.manifest["variants"]}
 
     def for_use(self, route: str, operand: str, kind: str = "quant", **params) -> list[dict]:
         """Variants that serve `route.operand`, filtered by params (e.g. head_dim=128)."""
@@ -111,7 +102,7 @@ class Bundle:
             raise BundleError(f"variant {name!r} is not in bundle {self.root}; it has {len(self.variants)} "
                               f"variants, e.g. {sorted(self.variants)[:3]}")
         path = self.root / entry["file"]
-        if not path.exists() or _sha256(path) != entry["sha256"]:
+        if not path.exists() or sha256_file(path) != entry["sha256"]:
             raise BundleError(f"{path}: missing or its sha256 does not match the manifest (corrupt bundle)")
         self._load_runtime()
         import tvm_ffi

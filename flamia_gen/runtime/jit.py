@@ -6,7 +6,6 @@ compile (seconds per variant); later calls and processes hit the cache."""
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 
 def jit_bundle(route: str, arch: str = "sm90", jobs: int = 2):
@@ -16,22 +15,21 @@ def jit_bundle(route: str, arch: str = "sm90", jobs: int = 2):
     from ..build.toolchain import dsl_available
     from ..plan import make_plan
     from ..render import render_variant
-    from ..spec import load_specs
-    from .bundle import load_bundle, read_manifest
+    from ..spec import KernelKind, load_specs
+    from .bundle import load_bundle
 
     if not dsl_available():
         raise RuntimeError("no bundle given (FLAMIA_GEN_BUNDLE) and nvidia-cutlass-dsl is not installed: "
                            "build one elsewhere with `flamia-gen bundle --arch sm90` and point FLAMIA_GEN_BUNDLE at it")
-    plan = make_plan(load_specs(), arch=arch, routes=[route])
-    variants = [v for v in plan.variants if v.kind.value in ("quant", "attn_fwd")]
+    variants = make_plan(load_specs(), arch=arch, routes=[route],
+                         kinds=[KernelKind.quant, KernelKind.attn_fwd]).variants
     digest = hashlib.sha256("".join(render_variant(v) for v in variants).encode()).hexdigest()[:16]
     cache = BuildCache()
-    out = Path(cache.root) / "jit-bundles" / f"{arch}-{route}-{digest}"
+    out = cache.root / "jit-bundles" / f"{arch}-{route}-{digest}"
     try:
-        read_manifest(out)
-        return load_bundle(out)
+        return load_bundle(out)  # reads and checks the manifest
     except Exception:
-        pass
+        pass  # none yet, or unreadable: build it
     results = build_all(variants, jobs=jobs, cache=cache)
     failed = [r.name for r in results if r.status == "failed"]
     if failed:

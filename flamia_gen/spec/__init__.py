@@ -4,11 +4,11 @@ from .enums import (Arch, DiagonalPolicy, DqAccumulator, ExpApprox, ExponentRule
                     KernelKind, Operand, Scheduler)
 from .kernel import AttnTunables, KernelFamily, QuantTunables
 from .loader import SpecError, SpecSet, default_specs_dir, get_route, load_family, load_route, load_specs
-from .route import OperandQuant, Operands, Route, input_operands, operand_quant
+from .route import OperandQuant, Operands, Route, operand_quant
 
 __all__ = [
     "Arch", "DiagonalPolicy", "DqAccumulator", "ExpApprox", "ExponentRule", "Format", "Granularity",
     "KernelKind", "Operand", "Scheduler", "AttnTunables", "KernelFamily", "QuantTunables", "SpecError",
     "SpecSet", "default_specs_dir", "get_route", "load_family", "load_route", "load_specs", "OperandQuant",
-    "Operands", "Route", "input_operands", "operand_quant",
+    "Operands", "Route", "operand_quant",
 ]

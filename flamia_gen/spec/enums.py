@@ -10,29 +10,12 @@ from enum import Enum
 
 
 class Format(str, Enum):
-    """Element formats. `max` is the largest finite magnitude (TransformerEngine style)."""
+    """Element formats (their encodings: `flamia_gen.numerics.formats.format_info`)."""
 
     bf16 = "bf16"
     e4m3 = "e4m3"  # OCP E4M3 "fn": no inf, NaN = S.1111.111, max 448
     e5m2 = "e5m2"  # IEEE-like, max 57344
     e2m1 = "e2m1"  # FP4, max 6
-
-    @property
-    def max(self) -> float:
-        return {"bf16": 3.3895313892515355e38, "e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}[self.value]
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest power of two not above `max` (OCP MX `emax_elem`)."""
-        return {"bf16": 127, "e4m3": 8, "e5m2": 15, "e2m1": 2}[self.value]
-
-    @property
-    def bits(self) -> int:
-        return {"bf16": 16, "e4m3": 8, "e5m2": 8, "e2m1": 4}[self.value]
-
-    @property
-    def is_low_precision(self) -> bool:
-        return self is not Format.bf16
 
 
 class Granularity(str, Enum):

@@ -39,6 +39,11 @@ class AttnTunables(BaseModel):
     causal: list[bool] = [True, False]
 
 
+def tunables_model(kind) -> type[QuantTunables] | type[AttnTunables]:
+    """The kind decides which tunables model parses a family's `tunables` block."""
+    return QuantTunables if kind == KernelKind.quant else AttnTunables  # a str enum: "quant" matches too
+
+
 class KernelFamily(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,10 +66,8 @@ class KernelFamily(BaseModel):
         # The kind decides which tunables model parses the block, so a misspelled
         # tunable is an error naming the field, not a silent union fallback.
         if isinstance(data, dict) and isinstance(data.get("tunables"), dict):
-            kind = data.get("kind")
-            model = QuantTunables if kind == KernelKind.quant.value else AttnTunables
             data = dict(data)
-            data["tunables"] = model.model_validate(data["tunables"])
+            data["tunables"] = tunables_model(data.get("kind")).model_validate(data["tunables"])
         return data
 
     @model_validator(mode="after")

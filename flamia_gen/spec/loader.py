@@ -4,6 +4,7 @@ the field, the bad value and the allowed values."""
 from __future__ import annotations
 
 import enum
+import os
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -12,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .kernel import KernelFamily
+from .kernel import KernelFamily, tunables_model
 from .route import Route
 
 
@@ -28,8 +29,6 @@ class SpecError(ValueError):
 def default_specs_dir() -> Path:
     # specs/ sits beside the package in a checkout; an installed wheel carries none,
     # so FLAMIA_GEN_SPECS can point anywhere.
-    import os
-
     env = os.environ.get("FLAMIA_GEN_SPECS")
     if env:
         return Path(env)
@@ -114,12 +113,10 @@ def load_route(path: Path | str) -> Route:
 def _check_tunables(path: Path, data: dict) -> None:
     """The kind picks the tunables model; validate it first so errors carry the
     `tunables.` prefix and that model's allowed fields."""
-    from .kernel import AttnTunables, QuantTunables
-
     tun = data.get("tunables")
     if not isinstance(tun, dict):
         return
-    model = QuantTunables if data.get("kind") == "quant" else AttnTunables
+    model = tunables_model(data.get("kind"))
     try:
         model.model_validate(tun)
     except ValidationError as e:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -170,9 +169,4 @@ def operand_quant(route: Route, operand: Operand | str) -> OperandQuant:
     return getattr(route.operands, Operand(operand).value)
 
 
-def input_operands(route: Route) -> list[Operand]:
-    """Operands the fused quantizer handles for this route (quantized inputs only)."""
-    return [op for op, oq in route.operands.items() if op.is_input and oq.quantized]
-
-
-__all__ = ["OperandQuant", "Operands", "Route", "operand_quant", "input_operands", "Optional"]
+__all__ = ["OperandQuant", "Operands", "Route", "operand_quant"]

@@ -1,6 +1,7 @@
 """Build → cache → bundle → load, on the CPU, with the fixture template (a scaled copy),
 so this stage is tested apart from the real kernels."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import pytest
 
 from flamia_gen.build.builder import build_all, build_variant
 from flamia_gen.build.bundle import write_bundle
-from flamia_gen.build.cache import BuildCache
+from flamia_gen.build.cache import BuildCache, sha256_file
+from flamia_gen.build.toolchain import dsl_runtime_lib
 from flamia_gen.plan import make_plan
 from flamia_gen.render import render_variant
 from flamia_gen.runtime.bundle import BundleError, load_bundle
@@ -64,12 +66,18 @@ def test_failed_variant_is_reported_and_build_continues(fixture_templates, tmp_p
     good, bad = _pick("sm90", 2)
     import flamia_gen.build.builder as b
 
-    real = b.render_variant
-    monkeypatch.setattr(b, "render_variant",
-                        lambda v: real(v).replace("def compile_args", "def compile_args_gone") if v is bad else real(v))
+    real, rendered = b.render_variant, []
+
+    def render(v):
+        rendered.append(v.name)
+        return real(v).replace("def compile_args", "def compile_args_gone") if v is bad else real(v)
+
+    monkeypatch.setattr(b, "render_variant", render)
     res = build_all([bad, good], jobs=2, cache=cache, use_generated=False)
     assert [r.status for r in res] == ["failed", "built"]
     assert res[0].name == bad.name and "compile_args" in res[0].message
+    assert sorted(rendered) == sorted([bad.name, good.name])  # each variant rendered once
+    assert res[1].source == real(good)  # the result carries what was compiled
 
 
 def test_bundle_manifest_and_load(fixture_templates, tmp_path):
@@ -82,9 +90,12 @@ def test_bundle_manifest_and_load(fixture_templates, tmp_path):
     assert disk == m
     assert m["arch"] == "sm90" and m["dsl_version"] == "4.8.1" and m["format"] == 1
     assert [v["name"] for v in m["variants"]] == sorted(v.name for v in vs)
+    by_name = {v.name: v for v in vs}
     for e in m["variants"]:
         assert (out / e["file"]).exists() and e["spec_hash"] and e["uses"]
         assert e["args"][0]["name"] == "x"  # ARGS read from the source without importing it
+        assert e["source_sha256"] == hashlib.sha256(render_variant(by_name[e["name"]]).encode()).hexdigest()
+    assert m["runtime"]["sha256"] == sha256_file(dsl_runtime_lib())
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == sorted(["manifest.json", "lib/libcute_dsl_runtime.so.xz"] + [e["file"] for e in m["variants"]])
     b = load_bundle(out)

@@ -63,3 +63,20 @@ def test_missing_template_is_a_clear_error(plan, monkeypatch, tmp_path):
 def test_committed_generated_matches_templates(full_plan):
     problems = check_generated(full_plan.variants)
     assert problems == [], "generated/ is stale; run `flamia-gen render`:\n" + "\n".join(problems[:20])
+
+
+def test_edited_template_is_picked_up(plan, monkeypatch, tmp_path):
+    # the jinja environment is kept per templates folder; an edit must still show
+    import os
+    import shutil
+
+    shutil.copytree(FIXTURES, tmp_path / "t")
+    monkeypatch.setenv("FLAMIA_GEN_TEMPLATES", str(tmp_path / "t"))
+    v = plan.variants[0]
+    before = render_variant(v)
+    tpl = tmp_path / "t" / v.template
+    tpl.write_text(tpl.read_text() + "\n# edited\n")
+    st = tpl.stat()
+    os.utime(tpl, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new mtime even on coarse clocks
+    after = render_variant(v)
+    assert after != before and after.rstrip().endswith("# edited")
