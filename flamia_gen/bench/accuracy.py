@@ -106,13 +106,14 @@ def reference(q, k, v, d_out, workload) -> tuple[Any, Any, str]:
     """(o, dq, which) — the numerics package's reference if it works here, else ours."""
     import torch
 
+    from .adapter import first_output
+
     ext = _external_reference()
     if ext is not None:
         try:
             cu = workload.cu_seqlens(q.device)
             qf, kf, vf = (x.detach().to(torch.float32).requires_grad_(True) for x in (q, k, v))
-            out = ext(qf, kf, vf, cu, causal=workload.causal)
-            o = out[0] if isinstance(out, (tuple, list)) else out
+            o = first_output(ext(qf, kf, vf, cu, causal=workload.causal))
             if tuple(o.shape) == tuple(q.shape):
                 (dq,) = torch.autograd.grad(o, (qf,), d_out.to(torch.float32))
                 return o.detach(), dq, "flamia_gen.numerics.reference.attention"
@@ -139,16 +140,12 @@ class AccuracyResult:
         return asdict(self)
 
 
-def _status_of(reason: str) -> str:
-    return "not installed" if reason.startswith("not installed") else "unavailable"
-
-
 def run_accuracy(adapters, workload=None, device: Any = "cuda", seed: int = 0,
                  outliers: bool = False, dtype: Any = None) -> list[AccuracyResult]:
     """O and dQ cosine of each adapter on ``workload`` (default 4x4096)."""
     import torch
 
-    from .adapter import PeerSkip, fixed_grad_output
+    from .adapter import PeerSkip, fixed_grad_output, status_of
     from .workloads import get_workload, make_inputs
 
     wl = workload or get_workload(ACCURACY_WORKLOAD)
@@ -161,7 +158,7 @@ def run_accuracy(adapters, workload=None, device: Any = "cuda", seed: int = 0,
         res = AccuracyResult(a.name, wl.name, "ok", reference=which, outliers=outliers)
         ok, reason = a.available()
         if not ok:
-            res.status, res.note = _status_of(reason), reason
+            res.status, res.note = status_of(reason), reason
             results.append(res)
             continue
         ok, reason = a.supports(wl)

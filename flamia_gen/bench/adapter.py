@@ -23,6 +23,11 @@ class PeerSkip(Exception):
     """Raised by an adapter that cannot run this workload; reported as skipped."""
 
 
+def status_of(reason: str) -> str:
+    """The row status for an ``available()`` refusal: 'not installed' or 'unavailable'."""
+    return NOT_INSTALLED if reason.startswith(NOT_INSTALLED) else "unavailable"
+
+
 def no_cuda_reason() -> str | None:
     """None when a CUDA device is usable, else the reason to show."""
     try:
@@ -141,6 +146,27 @@ def fixed_grad_output(like, seed: int = 1234):
     gen = torch.Generator(device=like.device).manual_seed(seed)
     return torch.randn(like.shape, generator=gen, device=like.device,
                        dtype=torch.float32).to(like.dtype)
+
+
+def first_output(result):
+    """``out`` from ``out`` or ``(out, lse, ...)`` (varlen functions return either)."""
+    if isinstance(result, (tuple, list)):
+        return result[0]
+    return result
+
+
+def cu_seqlens_per_device(workload) -> Callable[[Any], Any]:
+    """``get(device)`` -> the workload's int32 ``cu_seqlens`` on that device, made once per
+    device (not per timed call)."""
+    cache: dict = {}
+
+    def get(device):
+        cu = cache.get(device)
+        if cu is None:
+            cu = cache[device] = workload.cu_seqlens(device)
+        return cu
+
+    return get
 
 
 def batched_view(x, workload):

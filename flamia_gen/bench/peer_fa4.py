@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import inspect
 
-from .adapter import NO_CUDA, Adapter, PeerSkip, dist_version, no_cuda_reason, try_import
+from .adapter import (NO_CUDA, Adapter, PeerSkip, cu_seqlens_per_device, dist_version, first_output,
+                      no_cuda_reason, try_import)
 
 MODULE = "flash_attn.cute"
 REQUIRED_KWARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal")
-
-
-def first_output(result):
-    """``out`` from ``out`` or ``(out, lse, ...)``."""
-    if isinstance(result, (tuple, list)):
-        return result[0]
-    return result
 
 
 def missing_kwargs(fn) -> list[str]:
@@ -79,14 +73,12 @@ class Fa4Adapter(Adapter):
             raise PeerSkip(reason)
         if no_cuda_reason():
             raise RuntimeError(NO_CUDA)
-        cu_cache: dict = {}
+        cu_of = cu_seqlens_per_device(workload)
         max_len = int(workload.max_seqlen)  # a Python int, not a tensor
         causal = workload.causal
 
         def f(q, k, v):
-            cu = cu_cache.get(q.device)
-            if cu is None:
-                cu = cu_cache[q.device] = workload.cu_seqlens(q.device)
+            cu = cu_of(q.device)
             res = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                      max_seqlen_k=max_len, causal=causal)
             return first_output(res)

@@ -39,14 +39,12 @@ class FlexAdapter(Adapter):
     name = "flex"
     precision = "bf16"
 
+    memory_note = ("packed (1,H,T,D) view, no padding; counts the document-causal "
+                   "BlockMask (~16*(T/128)^2 bytes)")
+
     def __init__(self, max_block_mask_bytes: int = DEFAULT_MAX_BLOCK_MASK_BYTES):
         self.max_block_mask_bytes = max_block_mask_bytes
         self._mask_cache: dict = {}
-
-    @property
-    def memory_note(self) -> str:  # type: ignore[override]
-        return ("packed (1,H,T,D) view, no padding; counts the document-causal "
-                "BlockMask (~16*(T/128)^2 bytes)")
 
     def available(self) -> tuple[bool, str]:
         try:

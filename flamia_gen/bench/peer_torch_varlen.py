@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import inspect
 
-from .adapter import NO_CUDA, Adapter, PeerSkip, no_cuda_reason, try_import
+from .adapter import (NO_CUDA, Adapter, PeerSkip, cu_seqlens_per_device, first_output, no_cuda_reason,
+                      try_import)
 
 MODULE = "torch.nn.attention.varlen"
 
@@ -64,13 +65,10 @@ class TorchVarlenAdapter(Adapter):
         if extra is None:
             raise PeerSkip("varlen_attn takes neither window_size nor is_causal")
         max_len = int(workload.max_seqlen)
-        cu_cache: dict = {}
+        cu_of = cu_seqlens_per_device(workload)
 
         def f(q, k, v):
-            cu = cu_cache.get(q.device)
-            if cu is None:
-                cu = cu_cache[q.device] = workload.cu_seqlens(q.device)
-            out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
-            return out[0] if isinstance(out, (tuple, list)) else out
+            cu = cu_of(q.device)
+            return first_output(fn(q, k, v, cu, cu, max_len, max_len, **extra))
 
         return f

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .adapter import Adapter, NO_CUDA, no_cuda_reason
+from .adapter import NO_CUDA, Adapter, cu_seqlens_per_device, no_cuda_reason
 from .peer_cudnn_fp8 import CudnnFp8Adapter
 from .peer_fa4 import Fa4Adapter
 from .peer_flex import FlexAdapter
@@ -96,14 +96,11 @@ class FlamiaRouteAdapter(Adapter):
     def build(self, workload):
         if no_cuda_reason():
             raise RuntimeError(NO_CUDA)
-        cu_cache: dict = {}
+        cu_of = cu_seqlens_per_device(workload)
         max_len = int(workload.max_seqlen)
 
         def f(q, k, v):
-            cu = cu_cache.get(q.device)
-            if cu is None:
-                cu = cu_cache[q.device] = workload.cu_seqlens(q.device)
-            return self._attn(q, k, v, cu, max_len, route=self.route, causal=workload.causal)
+            return self._attn(q, k, v, cu_of(q.device), max_len, route=self.route, causal=workload.causal)
 
         return f
 

@@ -20,21 +20,15 @@ def quant_bytes(T: int, H: int, D: int, transposed: bool, scale_bytes: int) -> i
     return T * H * D * 2 + T * H * D * (2 if transposed else 1) + scale_bytes
 
 
-def _exponent_ceil(amax: torch.Tensor, fmax: float, emax: int) -> torch.Tensor:
-    """Power-of-two exponent with no saturation (ceil rule), same as the contract."""
-    m, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1)
-    e0 = e - 1
-    e_ = e0 - emax
-    over = amax > fmax * torch.exp2(e_.float())
-    e_ = torch.where(over, e_ + 1, e_)
-    e_ = torch.where(amax == 0, torch.full_like(e_, -127), e_)
-    return e_.clamp(-127, 127)
-
-
 def torch_quantizer(granularity: str, block: int = 32):
     """A plain torch implementation (codes + K-major copy + UE8M0 scales), for
     torch.compile. Token-block grouping here ignores documents (one long document):
-    it is a speed peer, not a numerics reference."""
+    it is a speed peer, not a numerics reference. The exponent is the contract's own
+    (``numerics.quantize.pow2_exponent``, E4M3 ``ceil``: pure tensor ops, compiles into one
+    graph); importing it needs the spec package (pydantic), so this raises ImportError on a
+    host without it."""
+    from ..numerics.quantize import pow2_exponent
+    from ..spec.enums import ExponentRule, Format
 
     def quant(x: torch.Tensor):
         T, H, D = x.shape
@@ -50,7 +44,7 @@ def torch_quantizer(granularity: str, block: int = 32):
             amax = xf.abs().amax().reshape(1, 1, 1)
         else:
             raise ValueError(f"granularity {granularity!r} has no torch peer here")
-        e = _exponent_ceil(amax, 448.0, 8)
+        e, _, _ = pow2_exponent(amax, Format.e4m3, ExponentRule.ceil)
         codes = (xf * torch.exp2(-e.float())).to(torch.float8_e4m3fn)
         codes_t = codes.permute(1, 2, 0).contiguous()
         scales = (e + 127).to(torch.uint8)
@@ -59,21 +53,29 @@ def torch_quantizer(granularity: str, block: int = 32):
     return quant
 
 
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def copy_bandwidth(numel: int, iters: int = 30) -> dict:
     x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     stats = time_cuda(lambda: y.copy_(x), warmup=5, repeats=iters, measure_memory=False)
-    return dict(impl="d2d copy", median_ms=stats.median_ms, gbps=4 * numel / (stats.median_ms * 1e-3) / 1e9)
-
-
-def bench_one(name: str, fn, nbytes: int, iters: int = 30) -> dict:
-    stats = time_cuda(fn, warmup=5, repeats=iters, measure_memory=False)
-    return dict(impl=name, median_ms=stats.median_ms, p20_ms=stats.p20_ms, p80_ms=stats.p80_ms,
-                gbps=nbytes / (stats.median_ms * 1e-3) / 1e9)
+    return dict(impl="d2d copy", median_ms=stats.median_ms, gbps=_gbps(4 * numel, stats.median_ms))
 
 
 def _scale_bytes(outs: dict) -> int:
     return sum(t.numel() * t.element_size() for n, t in outs.items() if n in ("scales", "tensor_scale"))
+
+
+def _compile_peer_ms(g: str, xs, iters: int) -> float | None:
+    """Median ms of the torch.compile'd quantizer of granularity ``g`` (None: no numerics package here)."""
+    try:
+        quant = torch_quantizer(g)
+    except ImportError:
+        return None
+    f = torch.compile(quant, dynamic=False)
+    return time_cuda([(lambda x=x: f(x)) for x in xs], warmup=3, repeats=iters, measure_memory=False).median_ms
 
 
 def run_quant_bandwidth(bundle, *, T: int = 65536, H: int = 16, D: int = 128, doc_len: int = 4096,
@@ -89,39 +91,37 @@ def run_quant_bandwidth(bundle, *, T: int = 65536, H: int = 16, D: int = 128, do
     xs = [torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     copy = copy_bandwidth(T * H * D, iters)
     rows = [dict(copy, ratio_copy=1.0)]
-    peers: dict[str, dict] = {}
+    peer_ms: dict[str, float | None] = {}  # granularity -> torch.compile median, measured once
     for entry in bundle.manifest["variants"]:
         if entry["kind"] != "quant" or entry["params"]["head_dim"] != D or (names and entry["name"] not in names):
             continue
+        params = entry["params"]
+        g = params["granularity"]
         fn = bundle.get(entry["name"])
         outs = [allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, "cuda") for _ in xs]
-        order = [a["name"] for a in entry["args"]]
-
-        with_delta = bool(entry["params"].get("with_delta"))
-
-        def call(i, outs=outs, fn=fn, order=order):
+        with_delta = bool(params.get("with_delta"))
+        calls = []
+        for i in range(len(xs)):
             by = dict(outs[i], x=xs[i], cu_seqlens=cu)
             if with_delta:
                 by["o"] = xs[(i + 1) % len(xs)]  # the dO launch reads the forward output too
-            return lambda: fn(*[by[n] for n in order])
+            args = [by[a["name"]] for a in entry["args"]]  # bound once, not per timed call
+            calls.append(lambda args=args, fn=fn: fn(*args))
 
-        nbytes = quant_bytes(T, H, D, entry["params"]["write_transposed"], _scale_bytes(outs[0]))
+        nbytes = quant_bytes(T, H, D, params["write_transposed"], _scale_bytes(outs[0]))
         if with_delta:
             nbytes += T * H * D * (2 + 4) + H * T * 4  # reads o, zeroes dq_accum (fp32), writes delta
-        if entry["params"]["granularity"] in ("tensor", "nvfp4"):
+        if g in ("tensor", "nvfp4"):
             nbytes += T * H * D * 2  # the amax pass reads x once more: count it, it is real traffic
-        st = time_cuda([call(i) for i in range(len(xs))], warmup=5, repeats=iters, measure_memory=False)
-        row = dict(impl=entry["name"], granularity=entry["params"]["granularity"], median_ms=st.median_ms,
-                   gbps=nbytes / (st.median_ms * 1e-3) / 1e9)
+        st = time_cuda(calls, warmup=5, repeats=iters, measure_memory=False)
+        row = dict(impl=entry["name"], granularity=g, median_ms=st.median_ms, gbps=_gbps(nbytes, st.median_ms))
         row["ratio_copy"] = row["gbps"] / copy["gbps"]
-        g = entry["params"]["granularity"]
-        if compile_peer and g in ("token", "token_block", "tensor") and entry["params"]["fmt"] == "e4m3":
-            if g not in peers:
-                f = torch.compile(torch_quantizer(g), dynamic=False)
-                st_p = time_cuda([(lambda x=x: f(x)) for x in xs], warmup=3, repeats=iters, measure_memory=False)
-                peers[g] = dict(impl=f"torch.compile {g}", median_ms=st_p.median_ms)
-            row["torch_compile_ms"] = peers[g]["median_ms"]
-            row["speedup_vs_torch_compile"] = peers[g]["median_ms"] / st.median_ms
+        if compile_peer and g in ("token", "token_block", "tensor") and params["fmt"] == "e4m3":
+            if g not in peer_ms:
+                peer_ms[g] = _compile_peer_ms(g, xs, iters)
+            if peer_ms[g] is not None:
+                row["torch_compile_ms"] = peer_ms[g]
+                row["speedup_vs_torch_compile"] = peer_ms[g] / st.median_ms
         rows.append(row)
     return rows
 

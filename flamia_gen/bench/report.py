@@ -54,6 +54,11 @@ class BenchRow:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def _is_baseline(r: BenchRow) -> bool:
+    """A row a speed-up may be measured against: a peer's trusted measurement."""
+    return r.status == "ok" and r.is_peer and not r.suspect and bool(r.median_ms)
+
+
 def compute_speedups(rows: Sequence[BenchRow]) -> dict[str, float]:
     """Set ``row.speedup`` = fastest peer's median / row's median, per (workload, mode).
 
@@ -61,7 +66,7 @@ def compute_speedups(rows: Sequence[BenchRow]) -> dict[str, float]:
     """
     best: dict[tuple[str, str], float] = {}
     for r in rows:
-        if r.status == "ok" and r.is_peer and not r.suspect and r.median_ms:
+        if _is_baseline(r):
             key = (r.workload, r.mode)
             best[key] = min(best.get(key, float("inf")), r.median_ms)
     for r in rows:
@@ -72,8 +77,7 @@ def compute_speedups(rows: Sequence[BenchRow]) -> dict[str, float]:
 
 
 def fastest_peer(rows: Sequence[BenchRow], workload: str, mode: str) -> BenchRow | None:
-    cands = [r for r in rows if r.workload == workload and r.mode == mode and r.status == "ok"
-             and r.is_peer and not r.suspect and r.median_ms]
+    cands = [r for r in rows if r.workload == workload and r.mode == mode and _is_baseline(r)]
     return min(cands, key=lambda r: r.median_ms) if cands else None
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .accuracy import ACCURACY_WORKLOAD, AccuracyResult, first_line, run_accuracy
-from .adapter import Adapter, PeerSkip, no_cuda_reason
+from .adapter import Adapter, PeerSkip, no_cuda_reason, status_of
 from .flops import tflops as _tflops
 from .flops import workload_flops
 from .peers import resolve_impls
@@ -69,10 +69,6 @@ def _as_adapters(impls: str | Sequence[str | Adapter]) -> tuple[list[Adapter], l
     return adapters, notes
 
 
-def _status_for(reason: str) -> str:
-    return "not installed" if reason.startswith("not installed") else "unavailable"
-
-
 def _free(device: str) -> None:
     if device.startswith("cuda"):  # on the CPU there is no allocator cache to empty
         import torch
@@ -91,7 +87,7 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
                    memory_note=getattr(adapter, "memory_note", ""))
     ok, reason = availability if availability is not None else adapter.available()
     if not ok:
-        row.status, row.note = _status_for(reason), reason
+        row.status, row.note = status_of(reason), reason
         return row
     ok, reason = adapter.supports(workload)
     if not ok:

@@ -12,6 +12,7 @@ unit-tested without a GPU. CPU numbers are never reported as kernel speed.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -82,14 +83,10 @@ def _rotator(fns: Fn | Sequence[Fn]) -> Fn:
     fns = list(fns)
     if not fns:
         raise ValueError("no callable to time")
-    state = {"i": 0}
-
-    def call() -> Any:
-        f = fns[state["i"] % len(fns)]
-        state["i"] += 1
-        return f()
-
-    return call
+    if len(fns) == 1:
+        return fns[0]
+    cyc = itertools.cycle(fns)
+    return lambda: next(cyc)()
 
 
 def _check_counts(warmup: int, repeats: int) -> None:

@@ -132,7 +132,6 @@ def untuned_table(arch: str, specs=None, plan=None) -> dict:
     return {"_metadata": meta, "entries": {}, "defaults": default_variants(plan, specs)}
 
 
-
 # ---------------------------------------------------------------- write / read
 def dumps_table(table: dict) -> str:
     return json.dumps(table, indent=1, sort_keys=True) + "\n"
@@ -346,7 +345,9 @@ class Dispatcher:
     def __init__(self, arch: str, gpu: str | None = None, path: Path | str | None = None, expected: dict | None = None):
         self.arch = arch
         self.path = Path(path) if path else table_path(arch, gpu)
-        expected = expected if expected is not None else installed_expectation(arch, gpu)
+        if expected is None:  # the cached installed specs and plan: loaded once, not once more here
+            specs, plan = _installed_plan(arch)
+            expected = installed_expectation(arch, gpu, specs=specs, plan=plan)
         self.table, self.refused = load_table(self.path, expected)
         if self.refused:
             import warnings

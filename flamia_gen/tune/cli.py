@@ -198,17 +198,14 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
         raise click.BadParameter(str(e), param_hint="'--workloads'") from None
     specs = _specs(specs_dir)
     plan = _plan(specs, arch)
-    if runner_type == "gpu" and not kinds:
-        from .gpu import KIND_HOOKS
-
-        kinds = tuple(KIND_HOOKS)
-    elif runner_type == "gpu":
+    if runner_type == "gpu":
         from .gpu import KIND_HOOKS
 
         nohook = [k for k in kinds if k not in KIND_HOOKS]
         if nohook:
             raise click.BadParameter(f"no GPU timing hook for {nohook} yet; allowed values: {list(KIND_HOOKS)}",
                                      param_hint="'--kind'")
+        kinds = kinds or tuple(KIND_HOOKS)
     try:
         groups = select_groups(plan, specs, kinds=kinds, routes=routes, head_dims=[int(d) for d in head_dims])
     except ValueError as e:
@@ -248,14 +245,12 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
         task = prog.add_task(f"tune {arch}", total=snap.total, completed=snap.done, best=snap.best)
         if workers == 1 and (ids is None or len(ids) == 1):
             from .runner import make_runner
-            from .study import run_worker
+            from .study import run_worker, study_best
 
             cfg = dict(runner_cfg)
             if cfg.get("type") == "bundle":
                 cfg["device"] = ids[0] if ids else 0
             runner = make_runner(cfg)
-
-            from .study import study_best
 
             def on_trial(spec, t):
                 if "variant" in t.user_attrs and "duplicate_of" not in t.user_attrs:

@@ -16,7 +16,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..dispatch.buckets import bucket_label
-from ..dispatch.defaults import default_variants, plan_groups, spec_hashes
+from ..dispatch.defaults import plan_groups, spec_hashes
 from ..dispatch.table import gpu_slug, make_metadata
 from .study import measured_trials
 
@@ -115,7 +115,7 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None)
     meta = make_metadata(arch, gpu=gpu, spec_hashes=spec_hashes(specs, plan, arch), untuned=False,
                          dsl=_one(env["dsl"]), torch=_one(env["torch"]), cuda_driver=_one(env["cuda_driver"]),
                          extra={"trials_total": sum(e["trials"] for e in entries.values())})
-    table = {"_metadata": meta, "entries": entries, "defaults": default_variants(plan, specs)}
+    table = {"_metadata": meta, "entries": entries, "defaults": {k: g.default for k, g in groups.items()}}
     return table, rep
 
 

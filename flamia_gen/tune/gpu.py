@@ -53,20 +53,11 @@ def l2_bytes(device: int = 0) -> int:
 
 def time_cuda(calls: list[Callable[[], object]], *, warmup: int = 5, repeats: int = 30) -> list[float]:
     """CUDA events around each call (rotating over `calls`), after `warmup` calls; one
-    synchronize at the end. Milliseconds per call."""
-    import torch
+    synchronize at the end. Milliseconds per call (`flamia_gen.bench.timing.time_cuda`'s
+    samples, no memory probe)."""
+    from ..bench.timing import time_cuda as _time_cuda
 
-    n = len(calls)
-    for i in range(warmup):
-        calls[i % n]()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for i, (a, b) in enumerate(events):
-        a.record()
-        calls[i % n]()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events]
+    return _time_cuda(calls, warmup=warmup, repeats=repeats, measure_memory=False).samples_ms
 
 
 def _operand_quant(entry: dict):
@@ -157,7 +148,7 @@ class AttnFwdHook:
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
 
-        from ..runtime.attn_fwd import run_attn_fwd
+        from ..runtime.attn_fwd import make_work_list, run_attn_fwd
         from ..spec import get_route
         from ..verify.attn_gpu import kernel_inputs, make_qkv
 
@@ -165,15 +156,18 @@ class AttnFwdHook:
         with torch.cuda.device(device):
             fn = bundle.get(entry["name"])
             route = get_route(entry["uses"][0])
-            lens = [b - a for a, b in zip(workload.cu_seqlens()[:-1], workload.cu_seqlens()[1:])]
+            lens = list(workload.doc_lens)
             g = torch.Generator().manual_seed(0)
             calls = []
             for _ in range(2):  # two input sets: L2 (60 MB) does not hold the working set
                 q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
                                        dev)
                 ins = kernel_inputs(route, q, k, v, cu)
-                calls.append(lambda ins=ins, cu=cu: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
-                                                                  params=entry["params"], **ins))
+                p = entry["params"]
+                # the work list is per row, not per call: build it outside the timer
+                work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+                calls.append(lambda ins=ins, cu=cu, work=work: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
+                                                                            params=p, work=work, **ins))
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 

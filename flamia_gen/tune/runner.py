@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..bench.timing import percentile  # re-exported (__all__): one percentile rule for bench and tune
+from ..bench.timing import summarize as _summarize
 from .space import Workload
 
 
@@ -47,19 +49,13 @@ class Measurement:
         return d
 
 
-def percentile(sorted_vals: list[float], q: float) -> float:
-    pos = (len(sorted_vals) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
 def summarize(samples_ms: list[float]) -> Measurement:
-    v = sorted(float(s) for s in samples_ms)
-    if not v:
+    """The statistics of `flamia_gen.bench.timing.summarize` (median, min, p20, p80) as a Measurement."""
+    if not samples_ms:
         return Measurement(False, "no timing samples")
-    return Measurement(True, "", median_ms=percentile(v, 50), min_ms=v[0], p20_ms=percentile(v, 20),
-                       p80_ms=percentile(v, 80), repeats=len(v))
+    s = _summarize(samples_ms, warmup=0, timer="cuda-events")
+    return Measurement(True, "", median_ms=s.median_ms, min_ms=s.min_ms, p20_ms=s.p20_ms, p80_ms=s.p80_ms,
+                       repeats=s.repeats)
 
 
 @runtime_checkable

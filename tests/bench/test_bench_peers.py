@@ -145,16 +145,18 @@ def test_unknown_impl_lists_known():
     assert "'fa5'" in str(ei.value) and "sdpa_cudnn" in str(ei.value)
 
 
-def test_our_impls_without_runtime_entry_points():
-    adapters, reason = peers.our_impls()
+def test_our_impls_without_runtime_entry_points(monkeypatch):
+    # The runtime has its entry points now: take them away so this path is tested, not skipped.
     import flamia_gen.runtime as rt
 
-    if not hasattr(rt, "bench_adapters") and not hasattr(rt, "packed_attention"):
-        assert adapters == []
-        assert "flamia_gen.runtime" in reason and "packed_attention" in reason
-    _, notes = peers.resolve_impls("all")
-    if not adapters:
-        assert any("our routes" in n for n in notes)
+    for name in ("bench_adapters", "packed_attention", "available_routes"):
+        monkeypatch.delattr(rt, name, raising=False)
+    adapters, reason = peers.our_impls()
+    assert adapters == []
+    assert "flamia_gen.runtime" in reason and "packed_attention" in reason and "available_routes" in reason
+    everything, notes = peers.resolve_impls("all")
+    assert [a.name for a in everything] == BUILTIN
+    assert any(n.startswith("our routes: ") and "packed_attention" in n for n in notes)
 
 
 def test_our_impls_with_runtime_entry_points(monkeypatch):
@@ -178,3 +180,18 @@ def test_our_impls_with_runtime_entry_points(monkeypatch):
     assert f(q, q, q) is q
     assert calls == [("mxfp8", 3, True, [0, 3, 5, 7])]
     assert inspect.isfunction(peers.our_impls)
+
+
+def test_cu_seqlens_made_once_per_device_and_status_of_reasons():
+    from flamia_gen.bench.adapter import cu_seqlens_per_device, status_of
+
+    w = get_workload("skew3+2x2", heads=1, head_dim=2)
+    made = []
+    orig = w.cu_seqlens
+    w.cu_seqlens = lambda device="cpu": made.append(device) or orig(device)
+    get = cu_seqlens_per_device(w)
+    first = get(torch.device("cpu"))
+    assert get(torch.device("cpu")) is first and made == [torch.device("cpu")]  # cached, not rebuilt per call
+    assert first.tolist() == [0, 3, 5, 7] and first.dtype == torch.int32
+    assert status_of("not installed: cudnn (No module named 'cudnn')") == "not installed"
+    assert status_of(NO_CUDA) == "unavailable"
