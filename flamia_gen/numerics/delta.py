@@ -65,7 +65,7 @@ def delta_from_quantized(do_q: Quantized, o: torch.Tensor) -> torch.Tensor:
 
     dq = do_q.dequantize()  # step 1: decode(c) * 2^e, one fp32 multiply
     p = (dq * o.to(torch.float32)).view(t, h, lanes, DELTA_LANE_ELEMS)  # step 2
-    a = p[..., 0].clone()
+    a = p[..., 0]
     for i in range(1, DELTA_LANE_ELEMS):  # step 3: in order, inside a lane
         a = a + p[..., i]
     while a.shape[-1] > 1:  # step 4: butterfly over the lanes of a row, neighbours first

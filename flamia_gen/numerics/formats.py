@@ -132,7 +132,7 @@ def _encode_chunk(b: torch.Tensor, fi: FormatInfo, saturate: bool) -> torch.Tens
     return torch.where(a > 0x7F800000, fi.nan_code, code)
 
 
-def _encode(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+def _encode(x: torch.Tensor, fmt: Format | str, saturate: bool) -> torch.Tensor:
     fi = format_info(fmt)
     if not saturate and fi.overflow_code is None:
         raise ValueError(f"format={fi.name!r} has no Inf/NaN: only saturate=True is defined")
@@ -175,8 +175,8 @@ def _check_codes(codes: torch.Tensor, name: str = "codes") -> torch.Tensor:
     return codes
 
 
-def _decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
-    fi = format_info(Format(fmt))
+def _decode(codes: torch.Tensor, fmt: Format | str) -> torch.Tensor:
+    fi = format_info(fmt)
     codes = _check_codes(codes)
     shape = codes.shape
     flat = codes.reshape(-1)
@@ -253,10 +253,9 @@ def decode_ue8m0(codes: torch.Tensor) -> torch.Tensor:
 
 def encode(x: torch.Tensor, fmt: Format | str, saturate: bool = True) -> torch.Tensor:
     """Generic encoder (E2M1 gives one code per uint8; use ``pack_e2m1`` to pack)."""
-    fmt = Format(fmt)
     return _encode(x, fmt, saturate)
 
 
 def decode(codes: torch.Tensor, fmt: Format | str) -> torch.Tensor:
     """Generic decoder (E2M1 expects one code per uint8)."""
-    return _decode(codes, Format(fmt))
+    return _decode(codes, fmt)

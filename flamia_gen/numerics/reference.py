@@ -12,8 +12,6 @@ function whose backward is `attention_backward(..., route=R)`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..spec.route import Route
@@ -89,7 +87,3 @@ def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None,
         out = exact_attention(*leaves, cu_seqlens, causal, scale=scale)
         grads = torch.autograd.grad(out, leaves, do.to(torch.float32))
     return tuple(grads)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["exact_attention", "check_inputs", "chunk_rows", "doc_ranges", "query_chunks", "visible_mask"]
+__all__ = ["exact_attention", "check_inputs", "chunk_rows", "doc_ranges", "query_chunks", "softmax_scale",
+           "visible_mask"]
 
 
 # ---- packed-document geometry, shared with the route emulator
@@ -35,6 +36,11 @@ def check_inputs(q, k, v, cu_seqlens):
     if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in zip(cl, cl[1:])):
         raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cl}")
     return T, Hq, D, Hq // k.shape[1]
+
+
+def softmax_scale(head_dim, scale=None):
+    """The score scale: `scale` as a float, or 1/sqrt(head_dim) when None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def doc_ranges(cu_seqlens):
@@ -97,7 +103,7 @@ def exact_attention(q, k, v, cu_seqlens, causal=True, *, dtype=torch.float32, sc
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = softmax_scale(D, scale)
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
     heads = torch.arange(Hq, device=q.device) // group
     outs, lses = [], []

@@ -19,7 +19,6 @@ Safeguards (what each removes is in docs/numerics.md):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,9 @@ import torch
 from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
-from .quantize import pow2_exponent, quantize
-from .reference_exact import check_inputs, chunk_rows, doc_ranges, query_chunks, visible_mask
+from .quantize import Quantized, pow2_exponent, quantize
+from .reference_exact import (check_inputs, chunk_rows, doc_ranges, query_chunks, softmax_scale,
+                              visible_mask)
 
 __all__ = ["Rep", "Plan", "make_plan", "represent", "route_forward", "route_backward", "scale_exponent",
            "round_to_format"]
@@ -111,11 +111,12 @@ class Rep:
         return Rep(cut(self.value), cut(self.codes), cut(self.exp))
 
 
-def _scale_exponents(scales: torch.Tensor, T: int, H: int) -> torch.Tensor:
-    """UE8M0 scale codes (T, H) or (1,) → exponents (T, H) fp32 (0xFF → NaN)."""
-    e = scales.to(torch.int32).to(torch.float32) - 127.0
-    e = torch.where(scales == formats.UE8M0_NAN, torch.full_like(e, float("nan")), e)
-    return e.reshape(-1)[0].expand(T, H).clone() if e.numel() == 1 else e.reshape(T, H)
+def _fold_exponents(qz: Quantized, T: int, H: int) -> torch.Tensor:
+    """The UE8M0 scales of a foldable quantization ((T, H) or (1,)) as fp32 exponents (T, H),
+    NaN for a NaN/Inf block (``Quantized.exponents`` reports 128 there)."""
+    e = qz.exponents.to(torch.float32)
+    e = torch.where(qz.scales == formats.UE8M0_NAN, torch.full_like(e, float("nan")), e)
+    return e.expand(T, H)
 
 
 def represent(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor) -> Rep:
@@ -130,7 +131,7 @@ def represent(x: torch.Tensor, spec: OperandQuant, cu_seqlens: torch.Tensor) -> 
     value = qz.dequantize().to(torch.float32)
     if spec.granularity not in _FOLDABLE:
         return Rep(value, value, zeros)
-    e = _scale_exponents(qz.scales, T, H)
+    e = _fold_exponents(qz, T, H)
     return Rep(value, value * torch.exp2(-e)[..., None], e)
 
 
@@ -298,7 +299,7 @@ def _forward_chunk(plan: Plan, qc, kd, kt, vd, vt, g: Geometry):
 def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None):
     """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, 1.0 / math.sqrt(D) if scale is None else float(scale))
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale))
     f = prepare_forward(plan, q, k, v, cu_seqlens)
     heads = torch.arange(Hq, device=q.device) // group
     qheads = torch.arange(Hq, device=q.device)
@@ -382,25 +383,24 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
                    scale=None):
     """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, 1.0 / math.sqrt(D) if scale is None else float(scale))
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale))
     bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
     o32 = o.to(torch.float32)
     lse2 = lse.to(torch.float32) * LOG2E
     tensor_amax = None
     ds = route.operands.ds
     if ds.quantized and ds.granularity is Granularity.tensor:
-        tensor_amax = _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, None)
+        tensor_amax = _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, None, amax_only=True)
     return _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
 
 
-def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax):
+def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, amax_only=False):
     """One sweep over documents and query chunks. With a tensor-scaled dS the first sweep
-    (`tensor_amax` None) only returns the two folded dS amaxes (dQ fold, dK fold)."""
+    (`amax_only`) only returns the two folded dS amaxes (dQ fold, dK fold), which the second
+    sweep takes as `tensor_amax`."""
     T, Hq, D = o32.shape
     Hkv = Hq // group
     dev = o32.device
-    amax_only = tensor_amax is None and plan.route.operands.ds.granularity is Granularity.tensor \
-        and plan.route.operands.ds.quantized
     amax = torch.zeros(2, dtype=torch.float32, device=dev)
     dq = torch.zeros(T, Hq, D, dtype=torch.float32, device=dev)
     dk = torch.zeros(T, Hq, D, dtype=torch.float32, device=dev)

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from ..dispatch import DocProfile, Dispatcher
-from .attn_fwd import make_work_list, run_attn_fwd
+from .attn_fwd import _is_fp8_spec, make_work_list, run_attn_fwd
 from .bundle import Bundle, load_bundle
-from .quant import allocate_outputs
+from .quant import run_quantizer
 
 ARCH = "sm90"
 
@@ -33,21 +34,35 @@ def _bundle(path: str) -> Bundle:
     return load_bundle(path)
 
 
+@lru_cache(maxsize=8)
+def _resolved(path: str, cwd: str | None) -> str:
+    """`path` made absolute and canonical (`cwd` keys a relative path to the directory it was
+    resolved from); cached: `Path.resolve` costs tens of µs, paid on every call otherwise."""
+    return str(Path(path).resolve())
+
+
+_JIT_ROOTS: dict[str, str] = {}  # route → its JIT bundle's root, for the life of the process
+
+
 def _current_bundle(route: str | None = None) -> Bundle:
     """The bundle in $FLAMIA_GEN_BUNDLE; without one, JIT through the DSL when it is
-    installed (the route's kernels are built, cached and packed once)."""
+    installed (the route's kernels are built, cached and packed once; later calls reuse the
+    bundle without re-planning or re-rendering the route)."""
     path = os.environ.get("FLAMIA_GEN_BUNDLE")
     if path:
-        return _bundle(str(Path(path).resolve()))
-    from ..build.toolchain import dsl_available
+        return _bundle(_resolved(path, None if os.path.isabs(path) else os.getcwd()))
+    root = _JIT_ROOTS.get(route) if route is not None else None
+    if root is None:
+        from ..build.toolchain import dsl_available
 
-    if route is None or not dsl_available():
-        raise NoKernelError("no kernels: set FLAMIA_GEN_BUNDLE to a bundle made by `flamia-gen bundle --arch sm90`"
-                            + ("" if dsl_available() else " (nvidia-cutlass-dsl is not installed, so no JIT either)"))
-    from .jit import jit_bundle
+        dsl = dsl_available()
+        if route is None or not dsl:
+            raise NoKernelError("no kernels: set FLAMIA_GEN_BUNDLE to a bundle made by `flamia-gen bundle --arch sm90`"
+                                + ("" if dsl else " (nvidia-cutlass-dsl is not installed, so no JIT either)"))
+        from .jit import jit_bundle
 
-    b = jit_bundle(route, ARCH)
-    return _bundle(str(b.root.resolve()))
+        root = _JIT_ROOTS[route] = str(jit_bundle(route, ARCH).root.resolve())
+    return _bundle(root)
 
 
 @lru_cache(maxsize=2)
@@ -75,8 +90,13 @@ def _pick_cached(root: str, kind: str, route: str, d: int, causal, profile, oper
     return _pick(_bundle(root), kind, route, d, causal, profile, operand)
 
 
+def _local_dispatcher() -> Dispatcher:
+    """The dispatcher of this host's GPU ("cpu" without one)."""
+    return _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+
+
 def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=None) -> dict:
-    disp = _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    disp = _local_dispatcher()
     try:
         if kind == "quant":
             name = disp.quantizer(route, operand, d, profile=profile).variant
@@ -101,22 +121,27 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
 _WORK_CACHE: dict = {}
 
 
-def _work_list(cu: torch.Tensor, T: int, params: dict) -> torch.Tensor:
-    """The longest-first work list, reused while the same `cu_seqlens` tensor object is
+def _cached_work(cu: torch.Tensor, key: tuple, build) -> torch.Tensor:
+    """`build()` (a work list of `cu`), reused while the same `cu_seqlens` tensor object is
     unmodified (every attention layer of a step shares it): ~20 small launches saved per
     call. Keyed on the live object and its version counter, never on a data pointer
-    (freed memory is reused)."""
-    import weakref
-
-    key = (id(cu), cu._version, T, params["tile_m"], params.get("tile_n"), params["causal"])
+    (freed memory is reused); `key` holds the rest of what the list depends on."""
+    key = (id(cu), cu._version) + key
     hit = _WORK_CACHE.get(key)
     if hit is not None and hit[0]() is cu:
         return hit[1]
-    work = make_work_list(cu, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
+    work = build()
     if len(_WORK_CACHE) > 64:
         _WORK_CACHE.clear()
     _WORK_CACHE[key] = (weakref.ref(cu), work)
     return work
+
+
+def _work_list(cu: torch.Tensor, T: int, params: dict) -> torch.Tensor:
+    """The forward's longest-first work list, cached (`_cached_work`)."""
+    tile_m, tile_n, causal = params["tile_m"], params.get("tile_n"), params["causal"]
+    return _cached_work(cu, ("fwd", T, tile_m, tile_n, causal),
+                        lambda: make_work_list(cu, tile_m, causal, T=T, tile_n=tile_n))
 
 
 def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -130,12 +155,10 @@ def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"scales of shape {tuple(scales.shape)}: the sm90 forward takes per-token or tensor scales")
 
 
-def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor) -> dict:
-    T, H, D = x.shape
-    outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, x.device)
-    by = dict(outs, x=x, cu_seqlens=cu)
-    b.get(entry["name"])(*[by[a["name"]] for a in entry["args"]])
-    return outs
+def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torch.Tensor | None = None) -> dict:
+    """One quantizer launch of the bundle (the dO launch takes `o`); inputs were validated by
+    the caller (no host sync here)."""
+    return run_quantizer(b.get(entry["name"]), entry["args"], x, cu, check=False, o=o)
 
 
 def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
@@ -147,13 +170,11 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     if D not in (64, 128):
         raise ValueError(f"head dim {D}: unsupported on sm90 (64 or 128)")
     b = _current_bundle(route)
-    # document profile without a host sync: the caller's max_seqlen and the static sizes
-    profile = DocProfile(tokens=T, num_docs=max(1, cu_seqlens.numel() - 1), max_len=int(max_seqlen))
+    profile = doc_profile(T, cu_seqlens, max_seqlen)
     root = str(b.root)
     fwd = _pick_cached(root, "attn_fwd", route, D, causal, profile)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fp8 = any(a["name"] == "q_scale" for a in fwd["args"])
-    if not fp8:
+    if not _is_fp8_spec(fwd["args"]):
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
                               work=_work_list(cu_seqlens, T, fwd["params"]))
@@ -221,9 +242,8 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
     names = {c["name"] for c in cands}
     tag = _delta_quant_tag(route, d)
     if tag is not None:
-        disp = _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         try:
-            name = disp.decide("quant", tag, d, None, profile=profile).variant
+            name = _local_dispatcher().decide("quant", tag, d, None, profile=profile).variant
         except KeyError:
             name = None
         if name in names:
@@ -232,18 +252,10 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
 
 
 def bwd_work_list(cu: torch.Tensor, T: int, params: dict, fp8: bool) -> torch.Tensor:
-    """The backward's longest-first key-tile work list, cached like `_work_list` (same rules)."""
-    import weakref
-
+    """The backward's longest-first key-tile work list, cached (`_cached_work`)."""
     from .attn_bwd import make_work_list as make_bwd_work_list
 
+    tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]
     key_align = params.get("key_align", 16 if fp8 else 1)
-    key = ("bwd", id(cu), cu._version, T, params["tile_m"], params["tile_n"], params["causal"], key_align)
-    hit = _WORK_CACHE.get(key)
-    if hit is not None and hit[0]() is cu:
-        return hit[1]
-    work = make_bwd_work_list(cu, params["tile_m"], params["tile_n"], params["causal"], key_align=key_align, T=T)
-    if len(_WORK_CACHE) > 64:
-        _WORK_CACHE.clear()
-    _WORK_CACHE[key] = (weakref.ref(cu), work)
-    return work
+    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, key_align),
+                        lambda: make_bwd_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T))

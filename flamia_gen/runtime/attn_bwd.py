@@ -21,8 +21,9 @@ from typing import Sequence
 
 import torch
 
+from .attn_fwd import _FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, longest_first
+
 SUPPORTED_HEAD_DIMS = (128,)
-_FP8_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
 
 def num_work(T: int, num_docs: int, tile_n: int) -> int:
@@ -30,8 +31,8 @@ def num_work(T: int, num_docs: int, tile_n: int) -> int:
     return -(-T // tile_n) + 2 * num_docs
 
 
-def bwd_tiles(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, key_align: int):
-    """Per document (on the device, int64): (delta, key tiles, query tiles) exactly as the kernel's
+def bwd_tiles(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, key_align: int):
+    """Per document (on the device, int64): (lengths, delta, key tiles, query tiles) exactly as the kernel's
     `bwd_tiling`: tiles start at doc_start − delta, delta = doc_start mod key_align."""
     cu = cu_seqlens.to(torch.int64)
     lens = (cu[1:] - cu[:-1]).clamp(min=0)
@@ -54,49 +55,16 @@ def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: b
         raise ValueError(f"tile_m, tile_n: must be positive, got {tile_m}, {tile_n}")
     if key_align not in (1, 16):
         raise ValueError(f"key_align: 1 (bf16) or 16 (fp8 K-major TMA), got {key_align}")
-    dev = cu_seqlens.device
     if T is None:
         T = int(cu_seqlens[-1].item())
-    nd = cu_seqlens.numel() - 1
-    nw = num_work(T, nd, tile_n)
-    lens, delta, nkt, nqt = bwd_tiles(cu_seqlens, tile_m, tile_n, causal, key_align)
-    ends = torch.cumsum(nkt, 0)
-    starts = ends - nkt
-    idx = torch.arange(nw, device=dev, dtype=torch.int64)
-    doc = torch.searchsorted(ends, idx, right=True)
-    valid = doc < nd
-    docc = doc.clamp(max=nd - 1)
-    n_block = idx - starts[docc]
-    if causal:
-        m_lo = torch.maximum(n_block * tile_n, delta[docc]) // tile_m
-    else:
-        m_lo = torch.zeros_like(n_block)
-    cost = torch.where(valid, nqt[docc] - m_lo, torch.full_like(idx, -1))
-    order = torch.sort(cost, descending=True, stable=True).indices
-    neg = torch.full_like(idx, -1)
-    work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, n_block, neg),
-                        torch.where(valid, torch.zeros_like(idx), neg)], dim=1)
-    return work[order].to(torch.int32).contiguous()
+    _, delta, nkt, nqt = bwd_tiles(cu_seqlens, tile_m, tile_n, key_align)
 
+    def cost(doc, n_block):  # query tiles m_lo … nqt − 1 of the key tile
+        if not causal:
+            return nqt[doc]
+        return nqt[doc] - torch.maximum(n_block * tile_n, delta[doc]) // tile_m
 
-def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
-
-
-def _need(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
-
-
-def _check_tensor(t, name: str, dtypes, shape, device) -> None:
-    _need(isinstance(t, torch.Tensor), name, f"expected a torch.Tensor, got {type(t).__name__}")
-    _need(t.dtype in dtypes, name, f"dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
-    _need(t.dim() == len(shape), name, f"expected {len(shape)} dims, got shape {tuple(t.shape)}")
-    for i, (got, want) in enumerate(zip(t.shape, shape)):
-        if want is not None:
-            _need(got == want, name, f"shape {tuple(t.shape)}, expected {tuple('*' if w is None else w for w in shape)}")
-    _need(t.is_contiguous(), name, "must be contiguous")
-    _need(t.device == device, name, f"on {t.device}, expected {device} (the device of q)")
+    return longest_first(nkt, num_work(T, nkt.numel(), tile_n), cost)
 
 
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
@@ -138,14 +106,7 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
     _check_tensor(delta, "delta", (torch.float32,), (HQ, T), dev)
     if dq_accum is not None:
         _check_tensor(dq_accum, "dq_accum", (torch.float32,), (T, HQ, D), dev)
-    _check_tensor(cu_seqlens, "cu_seqlens", (torch.int32,), (None,), dev)
-    _need(cu_seqlens.numel() >= 2, "cu_seqlens", "needs num_docs + 1 ≥ 2 entries")
-    _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
-    if cu_seqlens.device.type == "cpu":
-        c = cu_seqlens
-        _need(int(c[0]) == 0, "cu_seqlens", f"cu_seqlens[0] = {int(c[0])}, expected 0")
-        _need(int(c[-1]) == T, "cu_seqlens", f"cu_seqlens[-1] = {int(c[-1])}, expected T = {T}")
-        _need(bool((c[1:] >= c[:-1]).all()), "cu_seqlens", "must be non-decreasing")
+    _check_common(cu_seqlens, T, HQ, D, dev)
     return T, HQ, HKV, D
 
 

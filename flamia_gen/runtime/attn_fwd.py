@@ -38,27 +38,33 @@ def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: in
     if tile_m <= 0:
         raise ValueError(f"tile_m must be positive, got {tile_m}")
     tile_n = tile_m if tile_n is None else tile_n
-    dev = cu_seqlens.device
     cu = cu_seqlens.to(torch.int64)
     if T is None:
         T = int(cu[-1].item())
-    nd = cu.numel() - 1
-    nw = num_work(T, nd, tile_m)
     lens = (cu[1:] - cu[:-1]).clamp(min=0)
-    tiles = (lens + tile_m - 1) // tile_m
+
+    def cost(doc, m_block):
+        dlen = lens[doc]
+        keys = torch.minimum(dlen, (m_block + 1) * tile_m) if causal else dlen
+        return (keys + tile_n - 1) // tile_n
+
+    return longest_first((lens + tile_m - 1) // tile_m, num_work(T, lens.numel(), tile_m), cost)
+
+
+def longest_first(tiles: torch.Tensor, nw: int, cost) -> torch.Tensor:
+    """The work list both directions share: one item (doc, block, 0) per tile of each document
+    (`tiles`: int64 tiles per document), sorted by descending `cost(doc, block)` (int64, one
+    per item; ties keep (doc, block) order), padded with (-1, -1, -1) to `nw` rows. int32."""
+    nd = tiles.numel()
     ends = torch.cumsum(tiles, 0)
-    starts = ends - tiles
-    idx = torch.arange(nw, device=dev, dtype=torch.int64)
+    idx = torch.arange(nw, device=tiles.device, dtype=torch.int64)
     doc = torch.searchsorted(ends, idx, right=True)
     valid = doc < nd
     docc = doc.clamp(max=nd - 1)
-    m_block = idx - starts[docc]
-    dlen = lens[docc]
-    keys = torch.minimum(dlen, (m_block + 1) * tile_m) if causal else dlen
-    cost = torch.where(valid, (keys + tile_n - 1) // tile_n, torch.full_like(keys, -1))
-    order = torch.sort(cost, descending=True, stable=True).indices
+    block = idx - (ends - tiles)[docc]
     neg = torch.full_like(idx, -1)
-    work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, m_block, neg),
+    order = torch.sort(torch.where(valid, cost(docc, block), neg), descending=True, stable=True).indices
+    work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, block, neg),
                         torch.where(valid, torch.zeros_like(idx), neg)], dim=1)
     return work[order].to(torch.int32).contiguous()
 
@@ -96,12 +102,30 @@ def _need(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
-def _check_tensor(t, name: str, dtypes, ndim: int, device) -> None:
+def _check_tensor(t, name: str, dtypes, shape, device) -> None:
+    """`shape`: the number of dims, or a tuple of sizes with None for any size."""
+    if isinstance(shape, int):
+        shape = (None,) * shape
     _need(isinstance(t, torch.Tensor), name, f"expected a torch.Tensor, got {type(t).__name__}")
     _need(t.dtype in dtypes, name, f"dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
-    _need(t.dim() == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    _need(t.dim() == len(shape), name, f"expected {len(shape)} dims, got shape {tuple(t.shape)}")
+    if any(w is not None and g != w for g, w in zip(t.shape, shape)):
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple('*' if w is None else w for w in shape)}")
     _need(t.is_contiguous(), name, "must be contiguous")
     _need(t.device == device, name, f"on {t.device}, expected {device} (the device of q)")
+
+
+def _check_common(cu_seqlens, T: int, HQ: int, D: int, dev) -> None:
+    """cu_seqlens (int32, 1-D, ≥ 2 entries; values only on the CPU: on a GPU that would
+    synchronise) and the int32 element-offset bound, for both directions."""
+    _check_tensor(cu_seqlens, "cu_seqlens", (torch.int32,), 1, dev)
+    _need(cu_seqlens.numel() >= 2, "cu_seqlens", "needs num_docs + 1 ≥ 2 entries")
+    _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
+    if cu_seqlens.device.type == "cpu":
+        c = cu_seqlens
+        _need(int(c[0]) == 0, "cu_seqlens", f"cu_seqlens[0] = {int(c[0])}, expected 0")
+        _need(int(c[-1]) == T, "cu_seqlens", f"cu_seqlens[-1] = {int(c[-1])}, expected T = {T}")
+        _need(bool((c[1:] >= c[:-1]).all()), "cu_seqlens", "must be non-decreasing")
 
 
 def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_seqlens,
@@ -134,14 +158,7 @@ def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_se
         _need(tuple(v.shape) == (T, HKV, D), "v", f"shape {tuple(v.shape)}, expected {(T, HKV, D)}")
         for t, name in ((q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")):
             _need(t is None, name, "the bf16 route takes no scales")
-    _check_tensor(cu_seqlens, "cu_seqlens", (torch.int32,), 1, dev)
-    _need(cu_seqlens.numel() >= 2, "cu_seqlens", "needs num_docs + 1 ≥ 2 entries")
-    _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
-    if cu_seqlens.device.type == "cpu":
-        c = cu_seqlens
-        _need(int(c[0]) == 0, "cu_seqlens", f"cu_seqlens[0] = {int(c[0])}, expected 0")
-        _need(int(c[-1]) == T, "cu_seqlens", f"cu_seqlens[-1] = {int(c[-1])}, expected T = {T}")
-        _need(bool((c[1:] >= c[:-1]).all()), "cu_seqlens", "must be non-decreasing")
+    _check_common(cu_seqlens, T, HQ, D, dev)
     return T, HQ, HKV, D
 
 
@@ -185,4 +202,5 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     return o, lse
 
 
-__all__ = ["make_work_list", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["make_work_list", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
+           "SUPPORTED_HEAD_DIMS"]

@@ -24,16 +24,14 @@ and max_seqlen; work lists are built on the device), so both are CUDA-graph capt
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from .attention import (ARCH, NoKernelError, _current_bundle, _pick_cached, _quantize, bwd_work_list,
                         doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta)
-from .attn_bwd import run_attn_bwd
+from .attn_bwd import _is_fp8_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
-from .quant import allocate_outputs
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
 
@@ -147,15 +145,6 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_
 # ---------------------------------------------------------------- backward op
 
 
-def _do_launch(b, entry: dict, do: torch.Tensor, o: torch.Tensor, cu: torch.Tensor) -> dict:
-    """The dO launch: codes, scales, codes_t, delta (H, T) fp32, dq_accum (T, H, D) fp32 zeroed."""
-    T, H, D = do.shape
-    outs = allocate_outputs(entry["args"], T, H, D, cu.numel() - 1, do.device)
-    by = dict(outs, x=do, o=o, cu_seqlens=cu)
-    b.get(entry["name"])(*[by[a["name"]] for a in entry["args"]])
-    return outs
-
-
 def _require_cuda(q: torch.Tensor) -> None:
     if not q.is_cuda:
         raise ValueError("q: must be a CUDA tensor (the kernels run on sm90)")
@@ -170,27 +159,26 @@ def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route:
     bwd = pick_bwd(b, route, D, bool(causal), profile)
     _require_cuda(q)
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fp8 = any(a["name"] == "k_t" for a in args)
+    fp8 = _is_fp8_spec(args)
     work = bwd_work_list(cu, T, params, fp8)
     if not fp8:
         # bf16 route: no quantizer; delta = rowsum(dO∘O) (HQ, T) fp32, dq_accum zeroed in run_attn_bwd
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
         dq, dk, dv, _ = run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
-                                     softmax_scale=scale, work=work)
+                                     softmax_scale=softmax_scale, work=work)
         return dq, dk, dv
     root = str(b.root)
     # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
     qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
     kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
     vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
-    dq_ = _do_launch(b, pick_do_delta(root, route, D, profile), do, o, cu)
+    dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
     dq, dk, dv, _ = run_attn_bwd(
         fn, args, qq["codes"], kq["codes"], vq["codes"], dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
         params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
         q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
-        dq_accum=dq_["dq_accum"], softmax_scale=scale, work=work)
+        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, work=work)
     return dq, dk, dv
 
 

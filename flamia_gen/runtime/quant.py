@@ -18,6 +18,7 @@ zeroed by the kernel (docs/quantizer-contract.md, "dO launch"):
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -97,6 +98,12 @@ def check_delta_input(o: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError("o must be contiguous")
 
 
+@lru_cache(maxsize=256)
+def _parse_expr(expr: str) -> ast.Expression:
+    """The parsed shape expression (ARGS strings repeat on every launch: parse each once)."""
+    return ast.parse(expr, mode="eval")
+
+
 def _eval_expr(expr: Any, env: Mapping[str, int]) -> int:
     """Evaluate a shape entry: an int, or an expression over T, H, D, T_pad, NUM_DOCS with
     + - * // (and / on exact divisions). No names or calls beyond those."""
@@ -106,6 +113,8 @@ def _eval_expr(expr: Any, env: Mapping[str, int]) -> int:
         return expr
     if not isinstance(expr, str):
         raise ValueError(f"bad shape entry {expr!r}")
+    if expr in env:  # a bare name, the common entry
+        return int(env[expr])
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):
@@ -129,7 +138,7 @@ def _eval_expr(expr: Any, env: Mapping[str, int]) -> int:
         raise ValueError(f"shape expression {expr!r} uses something other than "
                          f"{list(_SHAPE_NAMES)}, integers and + - * //")
 
-    return ev(ast.parse(expr, mode="eval"))
+    return ev(_parse_expr(expr))
 
 
 def shape_of(shape: Sequence[Any], T: int, H: int, D: int, num_docs: int) -> tuple[int, ...]:

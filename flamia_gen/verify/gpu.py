@@ -21,11 +21,14 @@ from ..spec import get_route, operand_quant
 def _operand_quant_of(entry: dict):
     """Every route.operand a variant serves has the same representation (the plan keyed
     it so); take the first and check the rest agree."""
+    def rep(use: str):
+        r, o = use.split(".")
+        return operand_quant(get_route(r), o)
+
     uses = entry["uses"]
-    first = operand_quant(get_route(uses[0].split(".")[0]), uses[0].split(".")[1])
+    first = rep(uses[0])
     for u in uses[1:]:
-        r, o = u.split(".")
-        if operand_quant(get_route(r), o) != first:
+        if rep(u) != first:
             raise ValueError(f"variant {entry['name']} serves {u}, whose representation differs from {uses[0]}")
     return first
 

@@ -10,6 +10,7 @@ bit for bit with `flamia_gen.numerics.delta_from_quantized` (NaN payloads aside)
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -35,10 +36,7 @@ def _doc_lengths(T: int, g: torch.Generator, lo: int = 1, hi: int = 300) -> list
 
 
 def _cu(lens: Sequence[int], device) -> torch.Tensor:
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 def make_input(kind: str, T: int, H: int, D: int, seed: int = 0, device: str = "cuda"):
@@ -74,7 +72,6 @@ def make_input(kind: str, T: int, H: int, D: int, seed: int = 0, device: str = "
         x[min(T - 1, 61), 0, 5] = 1e-40  # fp32 subnormal (bf16 keeps it)
     else:
         raise ValueError(f"unknown input kind {kind!r}; allowed values: {list(KINDS)}")
-    lens = [n for n in lens]
     return x.to(torch.bfloat16).to(device).contiguous(), _cu(lens, device)
 
 
@@ -95,14 +92,7 @@ def make_o(kind: str, T: int, H: int, D: int, seed: int = 0, device: str = "cuda
 
 def check_zero(name: str, got: torch.Tensor) -> dict[str, Any]:
     """Every element's bits are 0 (+0.0): the kernel's zero fill of a poisoned buffer."""
-    bits = got.detach().contiguous().view(torch.uint8).cpu().reshape(*got.shape, -1)
-    bad = (bits != 0).any(-1)
-    n = int(bad.sum())
-    res: dict[str, Any] = {"field": name, "shape": tuple(got.shape), "ok": n == 0, "mismatches": n}
-    if n:
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        res.update(first=first, got=got.detach().cpu()[first].item(), want=0.0)
-    return res
+    return compare_bitwise(name, got, torch.zeros_like(got))
 
 
 def _canonical_nan(t: torch.Tensor) -> torch.Tensor:

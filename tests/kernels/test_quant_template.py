@@ -8,7 +8,6 @@ check the PTX for the converts and divisions the contract fixes.
 from __future__ import annotations
 
 import ast
-import itertools
 import json
 import os
 import subprocess

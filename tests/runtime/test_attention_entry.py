@@ -24,7 +24,7 @@ def test_without_bundle_the_dsl_serves_every_planned_route(monkeypatch):
     assert {"bf16", "fp8_token"} <= set(available_routes())
 
 
-def test_cpu_tensors_and_bad_head_dim_are_refused():
+def test_cpu_tensors_are_refused():
     q, k, v, cu = _qkv()
     with pytest.raises(ValueError, match="CUDA"):
         packed_attention(q, k, v, cu, 34)
@@ -82,3 +82,52 @@ def test_jit_bundle_builds_a_routes_kernels_once(monkeypatch, tmp_path):
     assert b.get(names[0]) is not None
     again = jit_bundle("bf16")
     assert again.root == b.root and sorted(again.variants) == names
+
+
+def _empty_bundle(d):
+    import json
+
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": []}))
+    return d
+
+
+def test_jit_bundle_is_planned_once_per_route(monkeypatch, tmp_path):
+    """Without FLAMIA_GEN_BUNDLE the route's JIT bundle is made (planned, rendered, looked up)
+    once; later calls reuse it instead of paying that on every forward."""
+    import flamia_gen.build.toolchain as tc
+    import flamia_gen.runtime.attention as A
+    import flamia_gen.runtime.jit as jit
+    from flamia_gen.runtime.bundle import load_bundle
+
+    roots = {r: _empty_bundle(tmp_path / r) for r in ("bf16", "fp8_token")}
+    calls = []
+
+    def fake_jit(route, arch):
+        calls.append(route)
+        return load_bundle(roots[route])
+
+    monkeypatch.delenv("FLAMIA_GEN_BUNDLE", raising=False)
+    monkeypatch.setattr(tc, "dsl_available", lambda: True)
+    monkeypatch.setattr(jit, "jit_bundle", fake_jit)
+    monkeypatch.setattr(A, "_JIT_ROOTS", {})
+    b = A._current_bundle("bf16")
+    assert A._current_bundle("bf16") is b and calls == ["bf16"]
+    assert A._current_bundle("fp8_token").root.resolve() == roots["fp8_token"].resolve()
+    assert calls == ["bf16", "fp8_token"]
+    with pytest.raises(NoKernelError, match="FLAMIA_GEN_BUNDLE"):
+        A._current_bundle()  # no route: nothing to JIT
+
+
+def test_relative_bundle_path_follows_the_working_directory(monkeypatch, tmp_path):
+    import flamia_gen.runtime.attention as A
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        _empty_bundle(tmp_path / d / "bundle")
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", "bundle")
+    monkeypatch.chdir(tmp_path / "a")
+    ra = A._current_bundle().root.resolve()
+    monkeypatch.chdir(tmp_path / "b")
+    rb = A._current_bundle().root.resolve()
+    assert ra == (tmp_path / "a" / "bundle").resolve() and rb == (tmp_path / "b" / "bundle").resolve()
