@@ -78,7 +78,8 @@ RUNTIME_MODULE = "flamia_gen.runtime"
 
 
 class FlamiaRouteAdapter(Adapter):
-    """One of our routes, through the runtime's packed attention op."""
+    """One of our routes, through the runtime's attention op (`flamia_gen.attention`: forward and
+    backward kernels of the bundle, autograd)."""
 
     is_peer = False
     memory_note = "packed (T,H,D), no padding; counts quantized copies and scales"
@@ -134,6 +135,8 @@ def our_impls() -> tuple[list[Adapter], str]:
         return [], f"{RUNTIME_MODULE}.available_routes() failed: {str(exc)[:160]}"
     if not routes:
         return [], f"{RUNTIME_MODULE}.available_routes() returned no route"
+    # the torch.library op has autograd (train mode needs it); the same kernels forward
+    attn = getattr(rt, "autograd_attention", None) or attn
     return [FlamiaRouteAdapter(r, attn) for r in routes], ""
 
 

@@ -2,7 +2,7 @@
 numerics of a route, forward and backward (DESIGN.md §1, §4; docs/numerics.md).
 
     attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
-              dtype=torch.float32, return_lse=False, scale=None)
+              dtype=torch.float32, return_lse=False, scale=None, key_align=1, mma="exact")
     attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *,
                        tile_m=128, tile_n=128, scale=None) -> (dq, dk, dv)
 
@@ -33,8 +33,9 @@ def resolve_route(route: Route | str | None) -> Route | None:
 
 class _RouteAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, causal, route, tile_m, tile_n, scale):
-        o, lse = route_forward(route, q, k, v, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n, scale=scale)
+    def forward(ctx, q, k, v, cu_seqlens, causal, route, tile_m, tile_n, scale, key_align, mma):
+        o, lse = route_forward(route, q, k, v, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
+                               key_align=key_align, mma=mma)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
         ctx.cfg = (causal, route, tile_m, tile_n, scale)
         ctx.mark_non_differentiable(lse)
@@ -48,23 +49,27 @@ class _RouteAttention(torch.autograd.Function):
             do = torch.zeros_like(o)
         dq, dk, dv = route_backward(route, q, k, v, o, lse, do, cu, causal, tile_m=tile_m, tile_n=tile_n,
                                     scale=scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128, dtype=torch.float32,
-              return_lse=False, scale=None):
+              return_lse=False, scale=None, key_align=1, mma="exact"):
     """Attention over packed documents `(T, H, D)` with int32 `cu_seqlens`.
 
     route=None: exact, computed in `dtype` (fp32 or fp64), differentiable by autograd.
     route (name or Route): the route's emulated kernel numerics (inputs rounded to BF16 as the
     kernel receives them, fp32 arithmetic); autograd gives the emulated dQ, dK, dV. O is returned
     in `dtype`; LSE (T, Hq) fp32 natural log, +inf for a row with no visible key (O = 0 there).
+    `tile_m`, `tile_n`, `key_align` are the forward kernel's tiling (its key tiles start at the
+    document start rounded down to `key_align`): they set the diagonal tiles and the order in
+    which P̂ is rounded under the running max. `mma`: "exact" (fp32 sums) or "sm90_fp8" (the
+    Hopper FP8 tensor cores' truncated accumulation, numerics.mma: slow, for kernel checks).
     """
     r = resolve_route(route)
     if r is None:
         return exact_attention(q, k, v, cu_seqlens, causal, dtype=dtype, scale=scale, return_lse=return_lse)
     check_inputs(q, k, v, cu_seqlens)
-    o, lse = _RouteAttention.apply(q, k, v, cu_seqlens, causal, r, tile_m, tile_n, scale)
+    o, lse = _RouteAttention.apply(q, k, v, cu_seqlens, causal, r, tile_m, tile_n, scale, key_align, mma)
     o = o.to(dtype)
     return (o, lse) if return_lse else o
 

@@ -2,7 +2,11 @@
 
 The emulator is the source of truth the generated kernels are checked against (cosine ≥
 0.99999, DESIGN.md §1). It reproduces *what* a route rounds, with which scale and from which
-reference, tile by tile; not the kernel's fp32 summation order.
+reference, tile by tile, including the forward kernel's key-tile order: P̂ of a key tile is
+rounded under the running (integer) max of the tiles visited so far, as the kernel does, which
+decides the result where P̂ falls in the format's subnormal range (outlier rows). It does not
+reproduce the fp32 summation order, nor the tensor cores' accumulation of the scores, which
+decides P̂ roundings that fall within ~2^-12 of a tie (see `verify.attn_gpu`).
 
 Representations. Every input operand X is held as `Rep(value, codes, exp)` with
 `value = codes · 2**exp` exactly: `exp` is the per-token fold exponent (the token's own or its
@@ -26,6 +30,7 @@ import torch
 from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
+from .mma import check_model, fp8_matmul
 from .quantize import Quantized, pow2_exponent, quantize
 from .reference_exact import (check_inputs, chunk_rows, doc_ranges, query_chunks, softmax_scale,
                               visible_mask)
@@ -162,6 +167,9 @@ class Plan:
     causal_rows_do: bool  # exact + token_block dO: per-token dO in dP and D
     causal_dq: bool  # causal dQ scale: dS for dQ per (row, key tile)
     chunk: int  # max query rows per step (a multiple of tile_m; fewer for long documents)
+    key_align: int = 1  # forward kernel's key tiles start at doc_start rounded down to this
+    mma_qk: bool = False  # QKᵀ under the sm90 FP8 tensor-core accumulation model (numerics.mma)
+    mma_pv: bool = False  # P̂V likewise, key tiles in the kernel's visit order
 
 
 def _needs_32(route: Route) -> bool:
@@ -169,22 +177,34 @@ def _needs_32(route: Route) -> bool:
                for _, oq in route.operands.items())
 
 
-def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024) -> Plan:
+def _fp8_codes(spec: OperandQuant) -> bool:
+    """Rep.codes of this operand are FP8 code values (what an FP8 wgmma multiplies)."""
+    return spec.quantized and spec.format in (Format.e4m3, Format.e5m2) and spec.granularity in _FOLDABLE
+
+
+def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
+              key_align: int = 1, mma: str = "exact") -> Plan:
     if tile_m <= 0 or tile_n <= 0:
         raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
     if _needs_32(route) and (tile_m % 32 or tile_n % 32):
         raise ValueError(f"route {route.name!r} has 32-token blocks: tile_m and tile_n must be multiples "
                          f"of 32 (got {tile_m}, {tile_n}); a block straddling a tile edge would leak")
+    if key_align <= 0 or key_align > tile_n:
+        raise ValueError(f"key_align must be in [1, tile_n={tile_n}], got {key_align}")
     ops = route.operands
     tb = Granularity.token_block
+    fp8_mma = check_model(mma) == "sm90_fp8"
+    per_key_v = causal and route.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb
     return Plan(
         route=route, causal=causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
         per_key_k=causal and route.k_fold and ops.k.granularity is tb,
-        per_key_v=causal and route.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb,
+        per_key_v=per_key_v,
         causal_rows_q=route.exact and ops.q.granularity is tb,
         causal_rows_do=route.exact and ops.do.granularity is tb,
         causal_dq=route.causal_dq_scale,
-        chunk=max(tile_m, (chunk // tile_m) * tile_m))
+        chunk=max(tile_m, (chunk // tile_m) * tile_m), key_align=key_align,
+        mma_qk=fp8_mma and _fp8_codes(ops.q) and _fp8_codes(ops.k),
+        mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized and not per_key_v)
 
 
 @dataclass(frozen=True)
@@ -265,11 +285,17 @@ def _split_matmul(w, x, x_diag, diag):
     return torch.where(diag, zero, w) @ x + torch.where(diag, w, zero) @ x_diag
 
 
-def scores_log2(plan: Plan, qc: torch.Tensor, kd: Rep, kt: Rep | None, g: Geometry):
+def _qk(plan: Plan, qr: Rep, kr: Rep) -> torch.Tensor:
+    if not plan.mma_qk:
+        return qr.value @ kr.value.transpose(-1, -2)
+    return fp8_matmul(qr.codes, kr.codes.transpose(-1, -2)) * torch.exp2(qr.exp[..., None] + kr.exp[:, None, :])
+
+
+def scores_log2(plan: Plan, qr: Rep, kd: Rep, kt: Rep | None, g: Geometry):
     """x = scale·log2(e)·Q̂K̂ᵀ (fp32), -inf where masked; K per key on diagonal tiles."""
-    s = qc @ kd.value.transpose(-1, -2)
+    s = _qk(plan, qr, kd)
     if kt is not None and g.diag is not None:
-        s = torch.where(g.diag, qc @ kt.value.transpose(-1, -2), s)
+        s = torch.where(g.diag, _qk(plan, qr, kt), s)
     x = s * (plan.scale * LOG2E)
     return x.masked_fill(~g.visible, float("-inf"))
 
@@ -277,29 +303,111 @@ def scores_log2(plan: Plan, qc: torch.Tensor, kd: Rep, kt: Rep | None, g: Geomet
 # ---- forward
 
 
-def _forward_chunk(plan: Plan, qc, kd, kt, vd, vt, g: Geometry):
+def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_tiles: int) -> torch.Tensor:
+    """(M, n_tiles) int64: the order in which the forward kernel visits key tiles for each query
+    row (rank 0 first; tiles it never visits rank last). Key tile t holds doc-local keys
+    t·tile_n − delta + [0, tile_n). Order (templates/sm90/attn_fwd.py.j2 `key_tiling`):
+    nblk−1 … n_mask (tiles needing a mask, diagonal first), then tile 0 when it opens with
+    `delta` keys of the previous document, then n_mask−1 … n_lo."""
+    tm, tn = plan.tile_m, plan.tile_n
+    mblk = (rows // tm)[:, None]
+    last = torch.clamp((mblk + 1) * tm, max=length) if plan.causal else torch.full_like(mblk, length)
+    nblk = (last + delta + tn - 1) // tn
+    n_mask = torch.minimum((mblk * tm + delta) // tn, nblk - 1) if plan.causal else nblk - 1
+    n_lo = torch.clamp(n_mask, max=min(delta, 1))
+    t = torch.arange(n_tiles, device=rows.device)[None, :]
+    rank = torch.where(t >= n_mask, nblk - 1 - t,
+                       torch.where((t == 0) & (n_lo == 1), nblk - n_mask, nblk - 1 + n_lo - t))
+    return torch.where(t >= nblk, n_tiles + t, rank)
+
+
+def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: int):
+    """The kernel's integer reference per (row, key tile): ceil(max of y over the tiles visited
+    up to and including that tile), -inf before the first visible key (y is -inf there too).
+    Returns (H, M, n_tiles) maxima, (N,) key → tile, (M, n_tiles) visit order (tile ids)."""
+    H, M, N = y.shape
+    tn = plan.tile_n
+    n_tiles = (N + delta + tn - 1) // tn
+    tiles = torch.nn.functional.pad(y, (delta, n_tiles * tn - N - delta), value=float("-inf"))
+    tile_max = tiles.view(H, M, n_tiles, tn).amax(dim=-1)
+    rows = torch.arange(a, a + M, device=y.device)
+    order = tile_visit_rank(plan, rows, length, delta, n_tiles).argsort(dim=1)
+    ordh = order[None].expand(H, M, n_tiles)
+    run = torch.empty_like(tile_max).scatter_(2, ordh, tile_max.gather(2, ordh).cummax(dim=2).values)
+    key_tile = (torch.arange(N, device=y.device) + delta) // tn
+    return torch.ceil(run), key_tile, order
+
+
+def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta):
+    """Σ P̂·V (codes) as the kernel accumulates it: per query tile, key tiles in visit order,
+    the accumulator rescaled by 2^(m_old − m_new) (exact) before each tile's FP8 wgmma, k-blocks
+    of 32 keys under the sm90_fp8 model. Returns the sum under each row's final reference."""
+    H, M, N = p_codes.shape
+    tm, tn = plan.tile_m, plan.tile_n
+    n_tiles = run.shape[-1]
+    P = torch.nn.functional.pad(p_codes, (delta, n_tiles * tn - N - delta))
+    V = torch.nn.functional.pad(v_codes, (0, 0, delta, n_tiles * tn - N - delta))
+    out = torch.zeros(H, M, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
+    for r0 in range(0, M, tm):
+        r1 = min(M, r0 + tm)
+        acc = torch.zeros(H, r1 - r0, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
+        m_old = torch.full((H, r1 - r0), float("-inf"), device=p_codes.device)
+        for t in order[r0].tolist():  # one visit order per query tile
+            m_t = run[:, r0:r1, t]
+            live = torch.isfinite(m_t)
+            if not bool(live.any()):
+                continue
+            f = torch.where(torch.isfinite(m_old) & live, torch.exp2(m_old - m_t), torch.ones_like(m_t))
+            acc = acc * f[..., None]
+            m_old = torch.where(live, m_t, m_old)
+            acc = fp8_matmul(P[:, r0:r1, t * tn:(t + 1) * tn], V[:, t * tn:(t + 1) * tn], acc)
+        out[:, r0:r1] = acc
+    return out
+
+
+def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0, length: int = 0, delta: int = 0):
     """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
     V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
-    power of two; the denominator l = Σ exp2(x − max x) is fp32, unquantized."""
-    x = scores_log2(plan, qc, kd, kt, g)
+    power of two; the denominator l = Σ exp2(x − max x) is fp32, unquantized. A quantized P̂
+    is rounded under the kernel's running max m_t of the tiles visited so far and carried to
+    the final m exactly (× 2^(m_t − m)): the same value unless it is subnormal under m."""
+    x = scores_log2(plan, qr, kd, kt, g)
     ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
     y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
     empty = g.empty[None, :]
     m = torch.where(empty, 0.0, torch.ceil(y.amax(dim=-1)))
     mx = torch.where(empty, 0.0, x.amax(dim=-1))
-    p_hat = quant_p(torch.exp2(y - m[..., None]), plan.route.operands.p)
+    pq = plan.route.operands.p
+    if pq.quantized:
+        run, key_tile, order = running_tile_max(plan, y, a, length, delta)
+        mt = run[:, :, key_tile]
+        mt = torch.where(torch.isinf(mt), m[..., None].expand_as(mt), mt)
+        p_t = quant_p(torch.exp2(y - mt), pq)  # P̂ under the running reference
+        p_hat = p_t * torch.exp2(mt - m[..., None])
+    else:
+        p_hat = torch.exp2(y - m[..., None])
     l = torch.exp2(x - mx[..., None]).sum(dim=-1)
-    acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
+    if plan.mma_pv:
+        # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
+        p_scale = float(2.0 ** pq.static_exponent)
+        acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta) / p_scale
+    else:
+        acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
     o = acc * (torch.exp2(m - mx) / torch.where(empty, 1.0, l))[..., None]
     o = torch.where(empty[..., None], 0.0, o)
     lse = torch.where(empty, float("inf"), (mx + torch.log2(l)) * LN2)
     return o, lse
 
 
-def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None):
-    """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log)."""
+def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None,
+                  key_align=1, mma="exact"):
+    """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log). `key_align`: the
+    kernel's key tiles start at the document start rounded down to a multiple of it (16 for
+    the sm90 FP8 forward, whose Vᵀ TMA needs 16-byte-aligned key coordinates). `mma`: the
+    tensor-core accumulation model of the products (numerics.mma; "sm90_fp8" is slow, for
+    checking a Hopper kernel)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale))
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma)
     f = prepare_forward(plan, q, k, v, cu_seqlens)
     heads = torch.arange(Hq, device=q.device) // group
     qheads = torch.arange(Hq, device=q.device)
@@ -312,11 +420,15 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
         for a, b in query_chunks(e - s, chunk_rows(plan.chunk, Hq, e - s, plan.tile_m)):
             n = b if causal else e - s
             g = geometry(plan, a, b, n, e - s, q.device)
-            oc, lc = _forward_chunk(plan, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n),
-                                    _cut(vt, n), g)
+            oc, lc = _forward_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n),
+                                    _cut(vt, n), g, a, e - s, s % plan.key_align)
             o[s + a:s + b] = oc.transpose(0, 1)
             lse[s + a:s + b] = lc.transpose(0, 1)
     return o, lse
+
+
+def _rows(r: Rep, a: int, b: int) -> Rep:
+    return Rep(r.value[:, a:b], r.codes[:, a:b], r.exp[:, a:b])
 
 
 def _cut(r: Rep | None, n: int) -> Rep | None:
@@ -332,9 +444,9 @@ class _ChunkGrad:
     p: torch.Tensor  # (H, M, N) P = exp2(x − LSE₂)
 
 
-def _grad_chunk(plan: Plan, qc, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
+def _grad_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
     """Recompute P from the forward's operands and decisions; dS = P ∘ (dO·V̂ᵀ − D)."""
-    x = scores_log2(plan, qc, kd, kt, g)
+    x = scores_log2(plan, qr, kd, kt, g)
     p = torch.exp2(x - lse2[..., None])
     dp = do_r @ vd.value.transpose(-1, -2)
     if vt is not None and g.diag is not None:
@@ -421,7 +533,7 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
         for a, b in query_chunks(L, chunk_rows(plan.chunk, Hq, L, plan.tile_m)):
             n = b if plan.causal else L
             g = geometry(plan, a, b, n, L, dev)
-            cg = _grad_chunk(plan, qd.value[:, a:b], _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
+            cg = _grad_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
                              do_r.value[:, a:b], od[:, a:b], ld[:, a:b], g)
             ds_q, ds_k = _folds(plan, cg, _cut(kq, n), _cut(kqt, n), qk.exp[:, a:b], g)
             if amax_only:

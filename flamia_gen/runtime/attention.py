@@ -209,8 +209,8 @@ def pick_bwd(b: Bundle, route: str, d: int, causal: bool, profile) -> dict:
     if not bwd_candidates(b, route, d, causal):
         raise NoKernelError(
             f"no backward kernel for route {route!r} (head_dim={d}, causal={causal}) on {ARCH} yet: bundle "
-            f"{b.root} has no attn_bwd variant for it (the {ARCH} backward kernel is compile-only so far, "
-            f"specs/wip/attn_bwd_sm90.yaml, docs/kernels/attn_bwd.md)")
+            f"{b.root} has no attn_bwd variant for it (rebuild it with `flamia-gen bundle --arch {ARCH}`; the "
+            f"{ARCH} backward exists for the routes of specs/kernels/attn_bwd_sm90.yaml)")
     return _pick_cached(str(b.root), "attn_bwd", route, d, bool(causal), profile)
 
 

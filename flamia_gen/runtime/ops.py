@@ -158,28 +158,38 @@ def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route:
     # the kernel first: no backward kernel → NoKernelError before any launch
     bwd = pick_bwd(b, route, D, bool(causal), profile)
     _require_cuda(q)
+    dq, dk, dv, _ = backward_with(b, bwd, do, q, k, v, o, lse, cu, profile, softmax_scale)
+    return dq, dk, dv
+
+
+def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
+                  poison: bool = False):
+    """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
+    (Q, K, V recomputed bit for bit as the forward had them; dO with D = rowsum(dO∘O) and the
+    zeroed dQ accumulator), then the kernel. → (dq, dk, dv, dq_accum). `verify` calls it with
+    `poison=True` (dK, dV start as NaN: rows never written show)."""
+    T, HQ, D = q.shape
+    route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
     work = bwd_work_list(cu, T, params, fp8)
     if not fp8:
         # bf16 route: no quantizer; delta = rowsum(dO∘O) (HQ, T) fp32, dq_accum zeroed in run_attn_bwd
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
-        dq, dk, dv, _ = run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
-                                     softmax_scale=softmax_scale, work=work)
-        return dq, dk, dv
+        return run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
+                            softmax_scale=softmax_scale, work=work, poison=poison)
     root = str(b.root)
     # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
     qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
     kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
     vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
     dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
-    dq, dk, dv, _ = run_attn_bwd(
+    return run_attn_bwd(
         fn, args, qq["codes"], kq["codes"], vq["codes"], dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
         params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
         q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
-        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, work=work)
-    return dq, dk, dv
+        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, work=work, poison=poison)
 
 
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())

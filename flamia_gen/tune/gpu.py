@@ -10,7 +10,8 @@ Quantizer (`QuantHook`): verified bitwise against the emulator on several input 
 (`flamia_gen.verify.quant_gpu.verify_quantizer`); timed on the bucket's representative
 workload `x: (T, H, D)` BF16 with its `cu_seqlens`: outputs preallocated, warm-up, then
 CUDA events around every call, inputs rotated over enough copies that L2 cannot hold
-them (DESIGN §5). The forward attention gets its hook when its runtime exists.
+them (DESIGN §5). The attention forward (`AttnFwdHook`) and backward (`AttnBwdHook`) are
+verified against the emulator and fp32 first, then timed on the bucket's packed row.
 """
 
 from __future__ import annotations
@@ -171,11 +172,62 @@ class AttnFwdHook:
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 
+class AttnBwdHook:
+    """The attention backward: verified against the emulator (given the kernel forward's O and
+    LSE) and fp32 before it may be timed; timed as the op runs it (Q/K/V/dO quantizer launches
+    and the kernel) on the bucket's packed row, O and LSE from a forward variant of the bundle."""
+
+    kind = "attn_bwd"
+
+    def verify(self, bundle, entry: dict, device: int) -> tuple[bool, str]:
+        import torch
+
+        try:
+            with torch.cuda.device(device):
+                from ..verify.attn_gpu import verify_bwd_entry
+
+                rows = verify_bwd_entry(bundle, entry, kinds=("gauss", "tiny_docs"), probe=False)
+        except Exception as e:
+            return False, f"{type(e).__name__}: {e}"[:300]
+        bad = [r for r in rows if not r.get("ok")]
+        if not bad:
+            return True, ""
+        r = bad[0]
+        return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
+                       f"nan={r.get('nan')}")
+
+    def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
+        import torch
+
+        from ..runtime.attention import doc_profile
+        from ..runtime.ops import backward_with
+        from ..spec import get_route
+        from ..verify.attn_gpu import forward_entry_for, make_qkv, run_kernel
+
+        dev = torch.device("cuda", device)
+        with torch.cuda.device(device):
+            route = get_route(entry["uses"][0])
+            fwd = forward_entry_for(bundle, entry)
+            lens = list(workload.doc_lens)
+            g = torch.Generator().manual_seed(0)
+            calls = []
+            for _ in range(2):  # two input sets: L2 does not hold the working set
+                q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
+                                       dev)
+                do = torch.randn(q.shape, generator=g).to(torch.bfloat16).to(dev)
+                o, lse = run_kernel(bundle.get(fwd["name"]), fwd, route, q, k, v, cu)
+                lse = (lse if lse.shape[0] == q.shape[1] else lse.transpose(0, 1)).contiguous()
+                prof = doc_profile(q.shape[0], cu, max(lens))
+                calls.append(lambda a=(do, q, k, v, o, lse, cu, prof): backward_with(bundle, entry, *a))
+            return time_cuda(calls, warmup=warmup, repeats=repeats)
+
+
 def default_hooks() -> dict:
-    return {"quant": QuantHook(), "attn_fwd": AttnFwdHook()}
+    return {"quant": QuantHook(), "attn_fwd": AttnFwdHook(), "attn_bwd": AttnBwdHook()}
 
 
-KIND_HOOKS = ("quant", "attn_fwd")
+KIND_HOOKS = ("quant", "attn_fwd", "attn_bwd")
 
-__all__ = ["cuda_driver_version", "gpu_info", "l2_bytes", "time_cuda", "QuantHook", "AttnFwdHook", "default_hooks",
+__all__ = ["cuda_driver_version", "gpu_info", "l2_bytes", "time_cuda", "QuantHook", "AttnFwdHook", "AttnBwdHook",
+           "default_hooks",
            "KIND_HOOKS"]

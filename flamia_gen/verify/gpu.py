@@ -71,6 +71,35 @@ def verify_attn_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]
     return rows
 
 
+def verify_bwd_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]:
+    from .attn_gpu import verify_bwd_entry
+
+    rows = []
+    for entry in bundle.manifest["variants"]:
+        if entry["kind"] != "attn_bwd" or (names and entry["name"] not in names):
+            continue
+        if routes and entry["uses"][0] not in routes:
+            continue
+        try:
+            rows += verify_bwd_entry(bundle, entry, seed=seed)
+        except Exception as e:  # a broken kernel is a failed row, not a crashed run
+            rows.append(dict(variant=entry["name"], kind="all", ok=False, error=f"{type(e).__name__}: {e}"[:300]))
+    return rows
+
+
+def render_bwd_table(rows: list[dict]) -> Table:
+    t = Table(title="attention backward kernels vs emulator and fp32 (min over dQ, dK, dV)")
+    for c in ("variant", "input", "ok", "cos emu", "cos fp32", "NaN", "dQ probe / noise", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        probe = "" if "probe_dq_max_rel_change" not in r else \
+            f"{r['probe_dq_max_rel_change']:.1e} / {r['dq_run_to_run']:.1e}"
+        t.add_row(r["variant"], str(r.get("kind")), "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
+                  f"{r.get('cos_emulator', float('nan')):.6f}", f"{r.get('cos_fp32', float('nan')):.6f}",
+                  str(r.get("nan", "")), probe, str(r.get("error", ""))[:200])
+    return t
+
+
 def render_attn_table(rows: list[dict]) -> Table:
     t = Table(title="attention forward kernels vs emulator and fp32")
     for c in ("variant", "input", "ok", "cos emu", "cos fp32", "lse err", "NaN", "probe", "detail"):
@@ -114,12 +143,15 @@ def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None) ->
     kinds = {v["kind"] for v in bundle.manifest["variants"]}
     rows = verify_quant_bundle(bundle, routes) if "quant" in kinds else []
     attn_rows = verify_attn_bundle(bundle, routes) if "attn_fwd" in kinds else []
+    bwd_rows = verify_bwd_bundle(bundle, routes) if "attn_bwd" in kinds else []
     if console:
         if rows:
             console.print(render_quant_table(rows))
         if attn_rows:
             console.print(render_attn_table(attn_rows))
-    rows = rows + attn_rows
+        if bwd_rows:
+            console.print(render_bwd_table(bwd_rows))
+    rows = rows + attn_rows + bwd_rows
     ok = all(r.get("ok") for r in rows) and bool(rows)
     if json_out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(),

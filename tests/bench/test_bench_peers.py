@@ -169,6 +169,7 @@ def test_our_impls_with_runtime_entry_points(monkeypatch):
         return q
 
     monkeypatch.setattr(rt, "packed_attention", packed_attention, raising=False)
+    monkeypatch.setattr(rt, "autograd_attention", None, raising=False)  # forward-only runtime
     monkeypatch.setattr(rt, "available_routes", lambda: ["bf16", "mxfp8"], raising=False)
     adapters, reason = peers.our_impls()
     assert reason == ""
@@ -180,6 +181,10 @@ def test_our_impls_with_runtime_entry_points(monkeypatch):
     assert f(q, q, q) is q
     assert calls == [("mxfp8", 3, True, [0, 3, 5, 7])]
     assert inspect.isfunction(peers.our_impls)
+    # a runtime with the autograd op: the bench uses it (train mode differentiates through it)
+    monkeypatch.setattr(rt, "autograd_attention", lambda q, k, v, cu, m, *, route, causal: ("op", q), raising=False)
+    adapters, _ = peers.our_impls()
+    assert adapters[0].build(get_workload("skew3+2x2", heads=1, head_dim=2))(q, q, q) == ("op", q)
 
 
 def test_cu_seqlens_made_once_per_device_and_status_of_reasons():

@@ -283,6 +283,31 @@ def test_key_tiling_aligned_and_covers_and_masks(v):
                 assert (last_visible + delta) // tn < nblk
 
 
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.param("tile_n") == 128 or v.route == "fp8_token"],
+                         ids=lambda v: v.name)
+def test_emulator_visits_key_tiles_in_the_kernel_order(v):
+    """The emulator rounds P̂ under the running max in the kernel's tile order
+    (numerics.reference_route.tile_visit_rank): it must be key_tiling's order, row by row."""
+    from flamia_gen.numerics.reference_route import make_plan as emu_plan, tile_visit_rank
+    from flamia_gen.spec import get_route
+
+    key_tiling, c = _key_tiling_fn(render_variant(v))
+    tm, tn = c["TILE_M"], c["TILE_N"]
+    plan = emu_plan(get_route(v.route), v.param("causal"), tm, tn, 1.0, key_align=c["KEY_ALIGN"])
+    for s in (0, 1, 6, 15, 16, 1000, 1300, 4099):
+        for L in (1, 2, 64, 127, 128, 129, 130, 300, 1000):
+            delta = s % c["KEY_ALIGN"]
+            n_tiles = (L + delta + tn - 1) // tn
+            rows = torch.arange(L)
+            order = tile_visit_rank(plan, rows, L, delta, n_tiles).argsort(dim=1)
+            for mb in range(-(-L // tm)):
+                _, d, nblk, n_mask, n_lo = key_tiling(mb, s, L)
+                assert d == delta
+                want = _tile_order(nblk, n_mask, n_lo)
+                for r in (mb * tm, min((mb + 1) * tm, L) - 1):
+                    assert order[r, :nblk].tolist() == want, (s, L, mb, r)
+
+
 # ----------------------------------------------------------------------------- K-row permutation (fp8)
 # K_ROW_PERM (template flag, off by default): the K tile's smem rows are loaded in the key order
 # key_of_col, so that the QKᵀ accumulator of thread t already holds the keys of the k32 E4M3 A

@@ -9,7 +9,7 @@ from flamia_gen.numerics import formats
 from flamia_gen.numerics.metrics import cosine, rel_error
 from flamia_gen.numerics.reference import attention, attention_backward
 from flamia_gen.numerics.reference_exact import _exact_chunk
-from flamia_gen.numerics.reference_route import (Geometry, LN2, _forward_chunk, make_plan, prepare_forward,
+from flamia_gen.numerics.reference_route import (Geometry, LN2, _forward_chunk, _rows, make_plan, prepare_forward,
                                                  round_to_format, route_backward, route_forward)
 from flamia_gen.spec import Format, get_route
 
@@ -112,7 +112,7 @@ def test_row_without_visible_key_has_inf_lse_and_zero_output():
     qd, kd, vd = f.qs.doc(0, 64, heads), f.ks.doc(0, 64, heads), f.v.doc(0, 64, heads)
     vis = torch.zeros(4, 64, dtype=torch.bool)
     g = Geometry(vis, torch.ones(4, dtype=torch.bool), None)
-    o, lse = _forward_chunk(plan, qd.value[:, :4], kd, None, vd, None, g)
+    o, lse = _forward_chunk(plan, _rows(qd, 0, 4), kd, None, vd, None, g)
     assert torch.equal(o, torch.zeros_like(o)) and torch.isinf(lse).all() and (lse > 0).all()
 
 
@@ -257,3 +257,110 @@ def test_non_causal_routes(route):
     assert cosine(o, o_e) > 0.998 and all(cosine(a, b) > 0.995 for a, b in zip(g, g_e))
     ge = attention_backward(q, k, v, None, None, do, cu, causal=False)  # route=None: exact grads
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(ge, g_e))
+
+
+def _row_model(f, plan, t, h, s0, length, mma):
+    """O of one query row by plain loops: key tiles in the forward kernel's documented order
+    (diagonal/masked tiles high to low, tile 0 if it opens with the previous document's keys,
+    then the rest high to low), P̂ rounded under the running integer max, P̂V per tile."""
+    from flamia_gen.numerics.mma import fp8_matmul
+    from flamia_gen.numerics.reference_route import LOG2E, quant_p
+
+    tm, tn, delta = plan.tile_m, plan.tile_n, s0 % plan.key_align
+    i = t - s0
+    mb = i // tm
+    last = min(length, (mb + 1) * tm) if plan.causal else length
+    nblk = (last + delta + tn - 1) // tn
+    n_mask = min((mb * tm + delta) // tn, nblk - 1) if plan.causal else nblk - 1
+    n_lo = min(min(delta, 1), n_mask)
+    order = list(range(nblk - 1, n_mask - 1, -1)) + ([0] if n_lo else []) + list(range(n_mask - 1, n_lo - 1, -1))
+    qc, qe = f.qs.codes[t, h], f.qs.exp[t, h]
+    acc = torch.zeros(f.v.codes.shape[-1])
+    m_run, mx_all, xs = -math.inf, -math.inf, []
+    for n in order:
+        keys = [j for j in range(n * tn - delta, (n + 1) * tn - delta) if 0 <= j <= (i if plan.causal else length - 1)]
+        if not keys:
+            continue
+        kk = torch.tensor(keys) + s0
+        kc, ke = f.ks.codes[kk, 0], f.ks.exp[kk, 0]
+        if mma == "sm90_fp8":
+            dots = fp8_matmul(qc[None], kc.T)[0]
+        else:
+            dots = (qc[None] * kc).sum(-1)
+        x = dots * torch.exp2(qe + ke) * plan.scale * LOG2E
+        y = x + f.v.exp[kk, 0]
+        m_new = max(m_run, math.ceil(float(y.max())))
+        if m_run != -math.inf:
+            acc = acc * 2.0 ** (m_run - m_new)
+        m_run = m_new
+        p = quant_p(torch.exp2(y - m_new), plan.route.operands.p)
+        vals = f.v.codes[kk, 0]
+        if mma == "sm90_fp8":
+            # the whole 128-key tile goes through the tensor core (4 k-blocks, zeros where no
+            # visible key), adding into the running accumulator; P̂ codes = 256·P̂
+            col = torch.tensor(keys) - (n * tn - delta)
+            pt = torch.zeros(tn).index_copy(0, col, p * 256)
+            vt = torch.zeros(tn, vals.shape[-1]).index_copy(0, col, vals)
+            acc = fp8_matmul(pt[None], vt, acc[None] * 256)[0] / 256
+        else:
+            acc = acc + p @ vals
+        mx_all = max(mx_all, float(x.max()))
+        xs.append(x)
+    # l = Σ exp2(x − max x) over every visible key, from the same (tensor-core) scores, fp32
+    l = sum(float(torch.exp2(x - mx_all).sum()) for x in xs)
+    return acc * 2.0 ** (m_run - mx_all) / l
+
+
+@pytest.mark.parametrize("mma", ["exact", "sm90_fp8"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_route_forward_follows_the_kernel_tile_order_row_by_row(mma, causal):
+    # unaligned document starts (delta > 0), outlier keys whose V scale moves the running max
+    g = torch.Generator().manual_seed(5)
+    lens = [7, 300, 150]
+    T = sum(lens)
+    q = torch.randn(T, 1, 128, generator=g)
+    k = torch.randn(T, 1, 128, generator=g)
+    v = torch.randn(T, 1, 128, generator=g)
+    for j in (20, 200, 290, 430):
+        k[j] *= 20
+        v[j] *= 300
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    cu = torch.tensor([0, 7, 307, 457], dtype=torch.int32)
+    r = get_route("fp8_token")
+    o, _ = attention(q, k, v, cu, causal, r, tile_m=128, tile_n=128, key_align=16, mma=mma, return_lse=True)
+    plan = make_plan(r, causal, 128, 128, 128 ** -0.5, key_align=16)
+    f = prepare_forward(plan, q, k, v, cu)
+    for t in (0, 6, 7, 8, 150, 201, 306, 307, 330, 456):
+        s0 = max(int(c) for c in cu[:-1] if c <= t)
+        length = int(cu[list(cu).index(s0) + 1]) - s0
+        want = _row_model(f, plan, t, 0, s0, length, mma)
+        torch.testing.assert_close(o[t, 0], want, rtol=2e-5, atol=1e-5)
+
+
+def test_tile_order_changes_subnormal_p_hat():
+    # a later-visited tile (tile 0) holds a key whose V scale is 2^9 larger: under the final max
+    # the diagonal tile's P̂ would be E4M3 subnormal; the kernel rounded them earlier, under a
+    # lower running max, so the result differs from rounding everything under the final max
+    import flamia_gen.numerics.reference_route as rr
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(256, 1, 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(256, 1, 128, generator=g).to(torch.bfloat16)
+    v = torch.randn(256, 1, 128, generator=g)
+    v[3] *= 2 ** 9
+    v = v.to(torch.bfloat16)
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+    r = get_route("fp8_token")
+    o_kernel_order = rr.route_forward(r, q, k, v, cu, True)[0]
+    final = lambda plan, y, a, length, delta: (  # noqa: E731  every tile under the final max
+        torch.ceil(y.amax(-1, keepdim=True)).expand(*y.shape[:2], (y.shape[-1] + delta + plan.tile_n - 1) // plan.tile_n),
+        (torch.arange(y.shape[-1]) + delta) // plan.tile_n,
+        torch.arange((y.shape[-1] + delta + plan.tile_n - 1) // plan.tile_n).expand(y.shape[1], -1))
+    orig = rr.running_tile_max
+    try:
+        rr.running_tile_max = final
+        o_final = rr.route_forward(r, q, k, v, cu, True)[0]
+    finally:
+        rr.running_tile_max = orig
+    assert torch.equal(o_kernel_order[:128], o_final[:128])  # one key tile: nothing to reorder
+    assert not torch.equal(o_kernel_order[128:], o_final[128:])
