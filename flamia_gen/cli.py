@@ -248,7 +248,10 @@ def bundle(specs_dir, arch, routes, names, jobs, out_dir):
 @click.option("--doc-len", type=click.IntRange(1, 65536), default=512, show_default=True)
 @click.option("--heads", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--outliers", is_flag=True, help="inputs with outlier tokens")
-def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers):
+@click.option("--dump", "dump_dir", type=click.Path(file_okay=False), default=None,
+              help="cuda: save the inputs and kernel outputs of every failing attention case here "
+                   "(torch.save, one file per variant and input) to analyse on any machine")
+def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers, dump_dir):
     """cpu: emulated routes vs fp32 + leakage probe. cuda: kernels vs the emulator."""
     _known_routes(routes)
     if device == "cpu":
@@ -261,7 +264,8 @@ def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers)
         return
     from .verify.gpu import verify_cuda
 
-    code = verify_cuda(list(routes) or None, bundle_dir=bundle_dir, json_out=json_out, console=console)
+    code = verify_cuda(list(routes) or None, bundle_dir=bundle_dir, json_out=json_out, console=console,
+                       dump_dir=dump_dir)
     sys.exit(code)
 
 

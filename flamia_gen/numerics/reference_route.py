@@ -30,6 +30,7 @@ import torch
 from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
+from .exp2 import exp2_poly3, poly_columns, poly_quarters
 from .mma import check_model, fp8_matmul
 from .quantize import Quantized, pow2_exponent, quantize
 from .reference_exact import (check_inputs, chunk_rows, doc_ranges, query_chunks, softmax_scale,
@@ -170,6 +171,7 @@ class Plan:
     key_align: int = 1  # forward kernel's key tiles start at doc_start rounded down to this
     mma_qk: bool = False  # QKᵀ under the sm90 FP8 tensor-core accumulation model (numerics.mma)
     mma_pv: bool = False  # P̂V likewise, key tiles in the kernel's visit order
+    exp_poly_quarters: int = 0  # route exp_approx: columns whose exp2 is the FMA polynomial (numerics.exp2)
 
 
 def _needs_32(route: Route) -> bool:
@@ -204,7 +206,8 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         causal_dq=route.causal_dq_scale,
         chunk=max(tile_m, (chunk // tile_m) * tile_m), key_align=key_align,
         mma_qk=fp8_mma and _fp8_codes(ops.q) and _fp8_codes(ops.k),
-        mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized and not per_key_v)
+        mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized and not per_key_v,
+        exp_poly_quarters=poly_quarters(route.exp_approx.value))
 
 
 @dataclass(frozen=True)
@@ -378,15 +381,25 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
     m = torch.where(empty, 0.0, torch.ceil(y.amax(dim=-1)))
     mx = torch.where(empty, 0.0, x.amax(dim=-1))
     pq = plan.route.operands.p
-    if pq.quantized:
+    poly = None
+    if plan.exp_poly_quarters:
+        poly = poly_columns(y.shape[-1], delta, plan.tile_n, plan.exp_poly_quarters, y.device)
+    if pq.quantized or poly is not None:
         run, key_tile, order = running_tile_max(plan, y, a, length, delta)
         mt = run[:, :, key_tile]
         mt = torch.where(torch.isinf(mt), m[..., None].expand_as(mt), mt)
-        p_t = quant_p(torch.exp2(y - mt), pq)  # P̂ under the running reference
+        e = torch.exp2(y - mt)  # exp2 under the running reference, as the kernel evaluates it
+        if poly is not None:
+            s = float(pq.static_exponent) if pq.quantized else 0.0  # the kernel's argument is y − m + s
+            e = torch.where(poly, exp2_poly3(y - mt + s) * 2.0 ** -s, e)
+        p_t = quant_p(e, pq)  # P̂ under the running reference
         p_hat = p_t * torch.exp2(mt - m[..., None])
     else:
         p_hat = torch.exp2(y - m[..., None])
-    l = torch.exp2(x - mx[..., None]).sum(dim=-1)
+    if poly is None:
+        l = torch.exp2(x - mx[..., None]).sum(dim=-1)
+    else:  # the kernel's l sums the same exponentials, V's fold taken back out
+        l = torch.where(g.visible, e * torch.exp2(mt - ev - mx[..., None]), 0.0).sum(dim=-1)
     if plan.mma_pv:
         # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
         p_scale = float(2.0 ** pq.static_exponent)

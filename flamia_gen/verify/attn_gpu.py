@@ -40,6 +40,19 @@ def emulator_options(params: dict) -> dict:
                 mma="sm90_fp8" if fp8 else "exact")
 
 
+def dump_case(dump_dir, entry: dict, kind: str, **tensors) -> str:
+    """Save a failing case (BF16 inputs, cu_seqlens, kernel outputs, the entry's params) to
+    `dump_dir/<variant>-<input>.pt` on the CPU, for analysis where the emulator runs (the
+    emulator's MMA model was fitted this way)."""
+    import os
+
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, f"{entry['name']}-{kind}.pt")
+    torch.save(dict(variant=entry["name"], route=entry["uses"][0], params=dict(entry["params"]), kind=kind,
+                    **{k: v.detach().cpu() for k, v in tensors.items()}), path)
+    return path
+
+
 def make_docs(kind: str, gen: torch.Generator) -> list[int]:
     if kind == "tiny_docs":
         return [1, 2, 3, 1, 5, 130, 1, 64, 127, 129]
@@ -108,7 +121,7 @@ def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3) -> di
 
 
 def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), hq=4, hkv=2, seed=0,
-                      probe=True) -> list[dict]:
+                      probe=True, dump_dir=None) -> list[dict]:
     route = get_route(entry["uses"][0])
     fn = bundle.get(entry["name"])
     params = entry["params"]
@@ -148,6 +161,8 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
                 # a tensor-wide amax must show up: a probe that sees nothing here is broken
                 ok = ok and row["probe_max_rel_change"] > 0
         row["ok"] = ok
+        if dump_dir and not ok:
+            row["dump"] = dump_case(dump_dir, entry, kind, q=q, k=k, v=v, cu_seqlens=cu, o=o, lse=lse)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
     return rows
@@ -251,7 +266,7 @@ def probe_bwd(bundle, entry, fwd, route, q, k, v, do, cu, factor=1e4, n_position
 
 
 def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), hq=4, hkv=2, seed=0,
-                     probe=True) -> list[dict]:
+                     probe=True, dump_dir=None) -> list[dict]:
     """dQ, dK, dV of a backward variant (through the quantizer launches the op uses, dK/dV
     poisoned with NaN first) vs the emulator given the kernel forward's O and LSE (cosine ≥
     0.9999) and vs exact fp32 gradients (≥ 0.997 for 8-bit routes on Gaussian inputs);
@@ -290,6 +305,9 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
             row.update(probe_bwd(bundle, entry, fwd, route, q, k, v, do, cu))
             ok = ok and row["probe_dq_exact"]
         row["ok"] = ok
+        if dump_dir and not ok:
+            row["dump"] = dump_case(dump_dir, entry, kind, q=q, k=k, v=v, do=do, cu_seqlens=cu, o=o, lse=lse,
+                                    dq=dq, dk=dk, dv=dv)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
     return rows

@@ -55,7 +55,7 @@ def verify_quant_bundle(bundle, routes=None, *, kinds=None, seed=0, names=None) 
     return rows
 
 
-def verify_attn_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]:
+def verify_attn_bundle(bundle, routes=None, *, names=None, seed=0, dump_dir=None) -> list[dict]:
     from .attn_gpu import verify_attn_entry
 
     rows = []
@@ -65,13 +65,13 @@ def verify_attn_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]
         if routes and entry["uses"][0] not in routes:
             continue
         try:
-            rows += verify_attn_entry(bundle, entry, seed=seed)
+            rows += verify_attn_entry(bundle, entry, seed=seed, dump_dir=dump_dir)
         except Exception as e:  # a broken kernel is a failed row, not a crashed run
             rows.append(dict(variant=entry["name"], kind="all", ok=False, error=f"{type(e).__name__}: {e}"[:300]))
     return rows
 
 
-def verify_bwd_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]:
+def verify_bwd_bundle(bundle, routes=None, *, names=None, seed=0, dump_dir=None) -> list[dict]:
     from .attn_gpu import verify_bwd_entry
 
     rows = []
@@ -81,7 +81,7 @@ def verify_bwd_bundle(bundle, routes=None, *, names=None, seed=0) -> list[dict]:
         if routes and entry["uses"][0] not in routes:
             continue
         try:
-            rows += verify_bwd_entry(bundle, entry, seed=seed)
+            rows += verify_bwd_entry(bundle, entry, seed=seed, dump_dir=dump_dir)
         except Exception as e:  # a broken kernel is a failed row, not a crashed run
             rows.append(dict(variant=entry["name"], kind="all", ok=False, error=f"{type(e).__name__}: {e}"[:300]))
     return rows
@@ -125,7 +125,7 @@ def render_quant_table(rows: list[dict]) -> Table:
     return t
 
 
-def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None) -> int:
+def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None, dump_dir=None) -> int:
     import torch
 
     from ..runtime.bundle import BundleError, load_bundle
@@ -142,8 +142,8 @@ def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None) ->
         return 2
     kinds = {v["kind"] for v in bundle.manifest["variants"]}
     rows = verify_quant_bundle(bundle, routes) if "quant" in kinds else []
-    attn_rows = verify_attn_bundle(bundle, routes) if "attn_fwd" in kinds else []
-    bwd_rows = verify_bwd_bundle(bundle, routes) if "attn_bwd" in kinds else []
+    attn_rows = verify_attn_bundle(bundle, routes, dump_dir=dump_dir) if "attn_fwd" in kinds else []
+    bwd_rows = verify_bwd_bundle(bundle, routes, dump_dir=dump_dir) if "attn_bwd" in kinds else []
     if console:
         if rows:
             console.print(render_quant_table(rows))

@@ -596,3 +596,16 @@ def test_fwd_experiments_module_imports_without_dsl_and_names():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.strip()) > 6
+
+
+@pytest.mark.parametrize("route", ["bf16", "fp8_token"])
+def test_route_exp_approx_poly3_selects_the_polynomial(route):
+    """`exp_approx: poly3` on a route renders half of the exp2s on the FMA pipe (the emulator's
+    numerics.exp2.POLY_QUARTERS); ex2 routes render without the polynomial at all."""
+    from flamia_gen.numerics.exp2 import POLY_QUARTERS
+
+    v = next(v for v in VARIANTS if v.route == route)
+    assert "ex2_poly3" not in render_variant(v)
+    src = _render_with(v, exp_approx="poly3")
+    assert f"EXP_POLY_QUARTERS = {POLY_QUARTERS['poly3']}" in src and "def ex2_poly3" in src
+    assert '"exp_approx": "poly3"' in src
