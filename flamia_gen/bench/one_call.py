@@ -1,0 +1,70 @@
+"""Run one attention kernel of a bundle a few times on one packed row: the target for a
+profiler (Nsight Compute) on the GPU host, where the kernels come from a bundle.
+
+    python3 -m flamia_gen.bench.one_call --variant attn_fwd_sm90_fp8_token_... --docs 16384 --heads 16
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
+        --section LaunchStats --section Occupancy -k regex:Attn --launch-skip 2 --launch-count 1 \\
+        python3 -m flamia_gen.bench.one_call --variant ... --calls 3
+
+Forward variants run kernel-only (inputs pre-quantized, work list built once); backward
+variants run as the op does (quantizer launches, then the kernel; `-k` picks the kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", default=os.environ.get("FLAMIA_GEN_BUNDLE"), help="bundle dir ($FLAMIA_GEN_BUNDLE)")
+    ap.add_argument("--variant", required=True, help="attn_fwd_… or attn_bwd_… name in the bundle")
+    ap.add_argument("--docs", default="16384", help="document lengths, comma-separated (e.g. 4096,4096)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=3)
+    a = ap.parse_args(argv)
+    import torch
+
+    from ..runtime.bundle import load_bundle
+    from ..spec import get_route
+    from ..verify.attn_gpu import forward_entry_for, kernel_inputs, make_qkv, run_kernel
+
+    if not a.bundle:
+        ap.error("--bundle or $FLAMIA_GEN_BUNDLE is required")
+    b = load_bundle(a.bundle)
+    entry = next((e for e in b.manifest["variants"] if e["name"] == a.variant), None)
+    if entry is None or entry["kind"] not in ("attn_fwd", "attn_bwd"):
+        names = sorted(e["name"] for e in b.manifest["variants"] if e["kind"].startswith("attn"))
+        ap.error(f"--variant {a.variant!r}: not an attention variant of {a.bundle}; have {names}")
+    lens = [int(x) for x in a.docs.split(",") if x]
+    route = get_route(entry["uses"][0])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, cu = make_qkv(lens, a.heads, a.heads, entry["params"]["head_dim"], "gauss", g, "cuda")
+    if entry["kind"] == "attn_fwd":
+        from ..runtime.attn_fwd import make_work_list, run_attn_fwd
+
+        p = entry["params"]
+        ins = kernel_inputs(route, q, k, v, cu)
+        work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+        fn = b.get(entry["name"])
+        call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, work=work, **ins)  # noqa: E731
+    else:
+        from ..runtime.attention import doc_profile
+        from ..runtime.ops import backward_with
+
+        fwd = forward_entry_for(b, entry)
+        do = torch.randn(q.shape, generator=g).to(torch.bfloat16).cuda()
+        o, lse = run_kernel(b.get(fwd["name"]), fwd, route, q, k, v, cu)
+        lse = (lse if lse.shape[0] == a.heads else lse.transpose(0, 1)).contiguous()
+        prof = doc_profile(q.shape[0], cu, max(lens))
+        call = lambda: backward_with(b, entry, do, q, k, v, o, lse, cu, prof)  # noqa: E731
+    for _ in range(a.calls):
+        call()
+    torch.cuda.synchronize()
+    print(f"{a.variant}: {a.calls} calls on {len(lens)} docs, T={sum(lens)}, H={a.heads}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
