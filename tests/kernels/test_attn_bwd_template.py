@@ -231,3 +231,17 @@ def test_compile_bf16_variant(variants, compile_sm90):
     ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("route", ["fp8_token", "bf16"])
+def test_compile_head_dim_64(variants, compile_sm90, route):
+    """D = 64 renders and cross-compiles (shipped: D = 128 only, until verified on the H200)."""
+    from flamia_gen.render.render import HEADER, _environment, templates_dir
+
+    v = next(v for v in variants if v.route == route and v.param("causal"))
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, head_dim=64))
+    src = HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+    assert '"head_dim": 64' in src
+    ptx = compile_sm90(v, source=src)
+    assert "wgmma.mma_async" in ptx
