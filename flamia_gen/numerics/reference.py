@@ -75,18 +75,19 @@ def attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_
 
 
 def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
-                       scale=None):
+                       scale=None, mma="exact"):
     """(dQ, dK, dV) fp32 of `attention` for output gradient `do`.
 
     route=None: gradients of the exact fp32 attention (autograd of the exact forward; `o`, `lse`
     are not needed and ignored). With a route: the emulated kernel backward, which recomputes
     scores from the forward's quantized operands and diagonal decisions, takes `o` and `lse`
-    as given (D = rowsum(dÔ∘O) uses them) and processes documents in query chunks.
+    as given (D = rowsum(dÔ∘O) uses them) and processes documents in query chunks. `mma`: the
+    tensor-core model of the recomputed scores ("exact" or "sm90_fp8", numerics.mma).
     """
     r = resolve_route(route)
     if r is not None:
         return route_backward(r, q, k, v, o, lse, do, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n,
-                              scale=scale)
+                              scale=scale, mma=mma)
     with torch.enable_grad():
         leaves = [t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v)]
         out = exact_attention(*leaves, cu_seqlens, causal, scale=scale)

@@ -505,10 +505,11 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
-                   scale=None):
-    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v."""
+                   scale=None, mma="exact"):
+    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `mma="sm90_fp8"` recomputes the
+    scores QKᵀ under the FP8 tensor-core model (the other products stay exact sums)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale))
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma)
     bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
     o32 = o.to(torch.float32)
     lse2 = lse.to(torch.float32) * LOG2E

@@ -290,6 +290,12 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
                                  tile_m=params["tile_m"], tile_n=params["tile_n"])
         exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs))
+        mma = emulator_options(params)["mma"]
+        if mma != "exact":  # reported beside the bound's (exact-sum) emulator: is the gap the scores' sums?
+            emu_mma = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
+                                         tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma)
+            for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_mma):
+                row[f"{name}_cos_emulator_{mma}"] = float(cosine(got.float(), e.float()))
         ok = True
         for name, got, e, x in zip(("dq", "dk", "dv"), (dq, dk, dv), emu, exact):
             nan = int(torch.isnan(got).sum())
