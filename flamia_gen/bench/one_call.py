@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     from ..runtime.bundle import load_bundle
     from ..spec import get_route
-    from ..verify.attn_gpu import forward_entry_for, kernel_inputs, make_qkv, run_kernel
+    from ..verify.attn_gpu import backward_setup, kernel_inputs, make_qkv
 
     if not a.bundle:
         ap.error("--bundle or $FLAMIA_GEN_BUNDLE is required")
@@ -50,14 +50,10 @@ def main(argv=None) -> int:
         fn = b.get(entry["name"])
         call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, work=work, **ins)  # noqa: E731
     else:
-        from ..runtime.attention import doc_profile
         from ..runtime.ops import backward_with
 
-        fwd = forward_entry_for(b, entry)
         do = torch.randn(q.shape, generator=g).to(torch.bfloat16).cuda()
-        o, lse = run_kernel(b.get(fwd["name"]), fwd, route, q, k, v, cu)
-        lse = (lse if lse.shape[0] == a.heads else lse.transpose(0, 1)).contiguous()
-        prof = doc_profile(q.shape[0], cu, max(lens))
+        o, lse, prof = backward_setup(b, entry, q, k, v, cu)
         call = lambda: backward_with(b, entry, do, q, k, v, o, lse, cu, prof)  # noqa: E731
     for _ in range(a.calls):
         call()

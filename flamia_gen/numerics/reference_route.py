@@ -393,9 +393,8 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
             s = float(pq.static_exponent) if pq.quantized else 0.0  # the kernel's argument is y − m + s
             e = torch.where(poly, exp2_poly3(y - mt + s) * 2.0 ** -s, e)
         p_t = quant_p(e, pq)  # P̂ under the running reference
-        p_hat = p_t * torch.exp2(mt - m[..., None])
     else:
-        p_hat = torch.exp2(y - m[..., None])
+        p_t = None
     if poly is None:
         l = torch.exp2(x - mx[..., None]).sum(dim=-1)
     else:  # the kernel's l sums the same exponentials, V's fold taken back out
@@ -404,7 +403,8 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
         # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
         p_scale = float(2.0 ** pq.static_exponent)
         acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta) / p_scale
-    else:
+    else:  # P̂ carried from its running reference to the final m (exact powers of two)
+        p_hat = torch.exp2(y - m[..., None]) if p_t is None else p_t * torch.exp2(mt - m[..., None])
         acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
     o = acc * (torch.exp2(m - mx) / torch.where(empty, 1.0, l))[..., None]
     o = torch.where(empty[..., None], 0.0, o)

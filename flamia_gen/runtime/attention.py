@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..dispatch import DocProfile, Dispatcher
-from .attn_fwd import _is_fp8_spec, make_work_list, run_attn_fwd
+from .attn_fwd import _is_fp8_spec, kernel_key_align, make_work_list, run_attn_fwd
 from .bundle import Bundle, load_bundle
 from .quant import run_quantizer
 
@@ -256,6 +256,6 @@ def bwd_work_list(cu: torch.Tensor, T: int, params: dict, fp8: bool) -> torch.Te
     from .attn_bwd import make_work_list as make_bwd_work_list
 
     tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]
-    key_align = params.get("key_align", 16 if fp8 else 1)
-    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, key_align),
-                        lambda: make_bwd_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T))
+    align = kernel_key_align(fp8)
+    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align),
+                        lambda: make_bwd_work_list(cu, tile_m, tile_n, causal, key_align=align, T=T))

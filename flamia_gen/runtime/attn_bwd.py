@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .attn_fwd import _FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, longest_first
+from .attn_fwd import _FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, kernel_key_align, longest_first
 
 SUPPORTED_HEAD_DIMS = (128,)
 
@@ -141,7 +141,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
     if work is None:
         work = make_work_list(cu_seqlens, params["tile_m"], params["tile_n"], params["causal"],
-                              key_align=params.get("key_align", 16 if fp8 else 1), T=T)
+                              key_align=kernel_key_align(fp8), T=T)
     by_name = {"lse": lse, "delta": delta, "cu_seqlens": cu_seqlens, "work": work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
     if fp8:

@@ -25,6 +25,13 @@ def num_work(T: int, num_docs: int, tile_m: int) -> int:
     return -(-T // tile_m) + num_docs
 
 
+def kernel_key_align(fp8: bool) -> int:
+    """Where the kernels' key tiles start: FP8 kernels at the document start rounded down to 16
+    keys (their Vᵀ / K-major TMA loads need 16-byte-aligned key coordinates; the template's
+    KEY_ALIGN), BF16 kernels at the document start."""
+    return 16 if fp8 else 1
+
+
 def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
                    tile_n: int | None = None) -> torch.Tensor:
     """int32 (NUM_WORK, 3) work list (doc, m_block, 0), longest first, on cu_seqlens' device.

@@ -121,6 +121,25 @@ class QuantHook:
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 
+def _verify_attention(rows_fn: Callable[[], list[dict]], device: int) -> tuple[bool, str]:
+    """(ok, reason) from an attention verifier's rows (forward or backward), run on `device`;
+    the reason names the first failing input and its numbers."""
+    import torch
+
+    try:
+        with torch.cuda.device(device):
+            rows = rows_fn()
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"[:300]
+    bad = [r for r in rows if not r.get("ok")]
+    if not bad:
+        return True, ""
+    r = bad[0]
+    probe = f" probe={r['probe_max_rel_change']}" if "probe_max_rel_change" in r else ""
+    return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
+                   f"nan={r.get('nan')}{probe}")
+
+
 class AttnFwdHook:
     """The attention forward: verified against the emulator and fp32 (and the leakage
     probe on exact routes) before it may be timed; timed kernel-only on the bucket's
@@ -130,21 +149,9 @@ class AttnFwdHook:
     kind = "attn_fwd"
 
     def verify(self, bundle, entry: dict, device: int) -> tuple[bool, str]:
-        import torch
+        from ..verify.attn_gpu import verify_attn_entry
 
-        try:
-            with torch.cuda.device(device):
-                from ..verify.attn_gpu import verify_attn_entry
-
-                rows = verify_attn_entry(bundle, entry, kinds=("gauss", "tiny_docs"))
-        except Exception as e:
-            return False, f"{type(e).__name__}: {e}"[:300]
-        bad = [r for r in rows if not r.get("ok")]
-        if not bad:
-            return True, ""
-        r = bad[0]
-        return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
-                       f"nan={r.get('nan')} probe={r.get('probe_max_rel_change')}")
+        return _verify_attention(lambda: verify_attn_entry(bundle, entry, kinds=("gauss", "tiny_docs")), device)
 
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
@@ -180,34 +187,19 @@ class AttnBwdHook:
     kind = "attn_bwd"
 
     def verify(self, bundle, entry: dict, device: int) -> tuple[bool, str]:
-        import torch
+        from ..verify.attn_gpu import verify_bwd_entry
 
-        try:
-            with torch.cuda.device(device):
-                from ..verify.attn_gpu import verify_bwd_entry
-
-                rows = verify_bwd_entry(bundle, entry, kinds=("gauss", "tiny_docs"), probe=False)
-        except Exception as e:
-            return False, f"{type(e).__name__}: {e}"[:300]
-        bad = [r for r in rows if not r.get("ok")]
-        if not bad:
-            return True, ""
-        r = bad[0]
-        return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
-                       f"nan={r.get('nan')}")
+        return _verify_attention(lambda: verify_bwd_entry(bundle, entry, kinds=("gauss", "tiny_docs"), probe=False),
+                                 device)
 
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
 
-        from ..runtime.attention import doc_profile
         from ..runtime.ops import backward_with
-        from ..spec import get_route
-        from ..verify.attn_gpu import forward_entry_for, make_qkv, run_kernel
+        from ..verify.attn_gpu import backward_setup, make_qkv
 
         dev = torch.device("cuda", device)
         with torch.cuda.device(device):
-            route = get_route(entry["uses"][0])
-            fwd = forward_entry_for(bundle, entry)
             lens = list(workload.doc_lens)
             g = torch.Generator().manual_seed(0)
             calls = []
@@ -215,9 +207,7 @@ class AttnBwdHook:
                 q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
                                        dev)
                 do = torch.randn(q.shape, generator=g).to(torch.bfloat16).to(dev)
-                o, lse = run_kernel(bundle.get(fwd["name"]), fwd, route, q, k, v, cu)
-                lse = (lse if lse.shape[0] == q.shape[1] else lse.transpose(0, 1)).contiguous()
-                prof = doc_profile(q.shape[0], cu, max(lens))
+                o, lse, prof = backward_setup(bundle, entry, q, k, v, cu)
                 calls.append(lambda a=(do, q, k, v, o, lse, cu, prof): backward_with(bundle, entry, *a))
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 

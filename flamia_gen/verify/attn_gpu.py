@@ -18,7 +18,7 @@ from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
 from ..bench.flops import attention_flops
 from ..runtime.attention import per_token_scales
-from ..runtime.attn_fwd import make_work_list, run_attn_fwd
+from ..runtime.attn_fwd import kernel_key_align, make_work_list, run_attn_fwd
 from ..spec import get_route
 
 # Kernel vs emulator, every input kind. The emulator runs with the kernel's tiling (tile
@@ -36,7 +36,7 @@ def emulator_options(params: dict) -> dict:
     key tiles at doc_start rounded down to 16 (KEY_ALIGN: Vᵀ TMA alignment) and sum products
     on FP8 tensor cores."""
     fp8 = params.get("q_fmt") in ("e4m3", "e5m2")
-    return dict(tile_m=params["tile_m"], tile_n=params["tile_n"], key_align=16 if fp8 else 1,
+    return dict(tile_m=params["tile_m"], tile_n=params["tile_n"], key_align=kernel_key_align(fp8),
                 mma="sm90_fp8" if fp8 else "exact")
 
 
@@ -142,7 +142,7 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         # the kernel writes BF16: the emulator of its numerics includes that final rounding
         c_emu = float(cosine(o.float(), emu.to(torch.bfloat16).float()))
         c_ref = float(cosine(o.float(), exact.float()))
-        lse_k = lse.transpose(0, 1) if lse.shape[0] == hq else lse
+        lse_k = lse.transpose(0, 1)  # the kernel writes (HQ, T)
         fin = torch.isfinite(emu_lse)
         # relative to the row's LSE: outlier rows reach logits of several hundred
         lse_err = float(((lse_k[fin] - emu_lse[fin]).abs() / emu_lse[fin].abs().clamp_min(1.0)).max()) \
@@ -221,25 +221,31 @@ def forward_entry_for(bundle, bwd_entry: dict) -> dict:
                       f"head_dim={p['head_dim']}: the backward needs the forward's O and LSE")
 
 
-def _run_bwd(bundle, entry, fwd, route, q, k, v, do, cu, poison=True):
+def backward_setup(bundle, entry: dict, q, k, v, cu):
+    """What a backward variant needs besides dO: O and LSE (HQ, T) from a forward variant of the
+    same route, and the op's document profile (reads cu_seqlens back: setup, not timed)."""
     from ..runtime.attention import doc_profile
+
+    fwd = forward_entry_for(bundle, entry)
+    o, lse = run_kernel(bundle.get(fwd["name"]), fwd, get_route(entry["uses"][0]), q, k, v, cu)
+    return o, lse, doc_profile(q.shape[0], cu, int((cu[1:] - cu[:-1]).max()))
+
+
+def _run_bwd(bundle, entry, q, k, v, do, cu, poison=True):
     from ..runtime.ops import backward_with
 
-    o, lse = run_kernel(bundle.get(fwd["name"]), fwd, route, q, k, v, cu)
-    lse = lse if lse.shape[0] == q.shape[1] else lse.transpose(0, 1)  # (HQ, T)
-    lens = (cu[1:] - cu[:-1]).tolist()
-    prof = doc_profile(q.shape[0], cu, max(lens))
-    dq, dk, dv, _ = backward_with(bundle, entry, do, q, k, v, o, lse.contiguous(), cu, prof, poison=poison)
+    o, lse, prof = backward_setup(bundle, entry, q, k, v, cu)
+    dq, dk, dv, _ = backward_with(bundle, entry, do, q, k, v, o, lse, cu, prof, poison=poison)
     return o, lse, dq, dk, dv
 
 
-def probe_bwd(bundle, entry, fwd, route, q, k, v, do, cu, factor=1e4, n_positions=2) -> dict:
+def probe_bwd(bundle, entry, q, k, v, do, cu, factor=1e4, n_positions=2) -> dict:
     """Perturb token `pos` (q, k, v, dO, one at a time): dQ rows before `pos` in its document and
     every row of other documents must not move. dQ is reduced with fp32 atomics, so two
     identical calls may differ in its last bits: that run-to-run noise is reported beside the
     change, and a leak is a change above it."""
-    base = _run_bwd(bundle, entry, fwd, route, q, k, v, do, cu)[2].float()
-    again = _run_bwd(bundle, entry, fwd, route, q, k, v, do, cu)[2].float()
+    base = _run_bwd(bundle, entry, q, k, v, do, cu)[2].float()
+    again = _run_bwd(bundle, entry, q, k, v, do, cu)[2].float()
 
     def rel(a, b, keep):
         d = (a[keep] - b[keep]).norm(dim=-1) / b[keep].norm(dim=-1).clamp_min(1e-30)
@@ -260,7 +266,7 @@ def probe_bwd(bundle, entry, fwd, route, q, k, v, do, cu, factor=1e4, n_position
             t = dict(q=q, k=k, v=v, do=do)
             t[which] = t[which].clone()
             t[which][pos] = (t[which][pos].float() * factor).to(torch.bfloat16)
-            dq1 = _run_bwd(bundle, entry, fwd, route, t["q"], t["k"], t["v"], t["do"], cu)[2].float()
+            dq1 = _run_bwd(bundle, entry, t["q"], t["k"], t["v"], t["do"], cu)[2].float()
             worst = max(worst, rel(dq1, base, keep))
     return {"probe_dq_max_rel_change": worst, "dq_run_to_run": noise, "probe_dq_exact": worst <= noise}
 
@@ -274,7 +280,6 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
     from ..numerics.reference import attention_backward
 
     route = get_route(entry["uses"][0])
-    fwd = forward_entry_for(bundle, entry)
     params = entry["params"]
     causal = params["causal"]
     gen = torch.Generator().manual_seed(seed)
@@ -284,7 +289,7 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         docs = make_docs(kind, gen)
         q, k, v, cu = make_qkv(docs, hq, hkv, params["head_dim"], kind, gen, "cuda")
         do = torch.randn(q.shape, generator=gen).to(torch.bfloat16).cuda()
-        o, lse, dq, dk, dv = _run_bwd(bundle, entry, fwd, route, q, k, v, do, cu)
+        o, lse, dq, dk, dv = _run_bwd(bundle, entry, q, k, v, do, cu)
         torch.cuda.synchronize()
         emu = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
                                  tile_m=params["tile_m"], tile_n=params["tile_n"])
@@ -308,7 +313,7 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         row["cos_fp32"] = min(row[f"{n}_cos_fp32"] for n in ("dq", "dk", "dv"))
         row["nan"] = sum(row[f"{n}_nan"] for n in ("dq", "dk", "dv"))
         if probe and kind == "gauss" and causal and route.exact:
-            row.update(probe_bwd(bundle, entry, fwd, route, q, k, v, do, cu))
+            row.update(probe_bwd(bundle, entry, q, k, v, do, cu))
             ok = ok and row["probe_dq_exact"]
         row["ok"] = ok
         if dump_dir and not ok:
@@ -318,25 +323,3 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         rows.append(row)
     return rows
 
-
-def time_bwd_entry(bundle, entry, doc_lens, heads=16, iters=20) -> dict:
-    """Backward time per call (the op's quantizer launches included: the dO launch is part of
-    the backward), CUDA events, median; FLOPs 2.5× the forward's."""
-    from ..bench.timing import time_cuda
-
-    route = get_route(entry["uses"][0])
-    fwd = forward_entry_for(bundle, entry)
-    d = entry["params"]["head_dim"]
-    gen = torch.Generator().manual_seed(1)
-    q, k, v, cu = make_qkv(doc_lens, heads, heads, d, "gauss", gen, "cuda")
-    do = torch.randn(q.shape, generator=gen).to(torch.bfloat16).cuda()
-    from ..runtime.attention import doc_profile
-    from ..runtime.ops import backward_with
-
-    o, lse = run_kernel(bundle.get(fwd["name"]), fwd, route, q, k, v, cu)
-    lse = (lse if lse.shape[0] == heads else lse.transpose(0, 1)).contiguous()
-    prof = doc_profile(q.shape[0], cu, max(doc_lens))
-    st = time_cuda([lambda: backward_with(bundle, entry, do, q, k, v, o, lse, cu, prof)], warmup=3, repeats=iters,
-                   measure_memory=False)
-    fl = 2.5 * attention_flops(doc_lens, heads, d, causal=entry["params"]["causal"])
-    return dict(variant=entry["name"], median_ms=st.median_ms, tflops=fl / (st.median_ms * 1e-3) / 1e12)
