@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         from ..runtime.attn_fwd import make_work_list, run_attn_fwd
 
         p = entry["params"]
-        ins = kernel_inputs(route, q, k, v, cu)
+        ins = kernel_inputs(route, q, k, v, cu, entry["params"])
         work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
         fn = b.get(entry["name"])
         call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, work=work, **ins)  # noqa: E731

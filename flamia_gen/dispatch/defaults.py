@@ -21,7 +21,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-GROUP_ONLY_PARAMS = ("causal",)  # attention tunables that are part of the group, not searched
+GROUP_ONLY_PARAMS = ("causal", "deterministic")  # attention tunables that are part of the group, not searched
+DET_SUFFIX = "_det"  # group route tag of the deterministic backward variants: a user choice, never a tuning one
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,17 @@ def group_key(kind: str, route: str, head_dim: int, causal: bool | None = None) 
     return key
 
 
+def group_route(route: str, deterministic: bool = False) -> str:
+    """The route tag of a dispatch group: deterministic backward variants form their own groups
+    (`fp8_token_det`), so the tuner never trades reproducibility for speed."""
+    return route + DET_SUFFIX if deterministic else route
+
+
 def _group_fields(v) -> tuple[str, str, str, int, bool | None]:
     kind = v.kind.value
     causal = bool(v.param("causal")) if kind != "quant" else None
-    return v.arch.value, kind, v.route, int(v.param("head_dim")), causal
+    route = group_route(v.route, bool(dict(v.params).get("deterministic")))
+    return v.arch.value, kind, route, int(v.param("head_dim")), causal
 
 
 def _spec_order(v, fam) -> tuple:
@@ -119,4 +127,4 @@ def quant_tag(plan, route: str, operand: str, head_dim: int | None = None) -> st
     raise KeyError(f"no quantizer variant serves {use!r}")
 
 
-__all__ = ["Group", "group_key", "plan_groups", "default_variants", "spec_hashes", "quant_tag"]
+__all__ = ["Group", "group_key", "group_route", "plan_groups", "default_variants", "spec_hashes", "quant_tag", "DET_SUFFIX"]

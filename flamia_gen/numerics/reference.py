@@ -37,18 +37,18 @@ class _RouteAttention(torch.autograd.Function):
         o, lse = route_forward(route, q, k, v, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
                                key_align=key_align, mma=mma)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.cfg = (causal, route, tile_m, tile_n, scale)
+        ctx.cfg = (causal, route, tile_m, tile_n, scale, key_align)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu = ctx.saved_tensors
-        causal, route, tile_m, tile_n, scale = ctx.cfg
+        causal, route, tile_m, tile_n, scale, key_align = ctx.cfg
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = route_backward(route, q, k, v, o, lse, do, cu, causal, tile_m=tile_m, tile_n=tile_n,
-                                    scale=scale)
+                                    scale=scale, key_align=key_align)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
@@ -75,19 +75,20 @@ def attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_
 
 
 def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
-                       scale=None, mma="exact"):
+                       scale=None, mma="exact", key_align=1):
     """(dQ, dK, dV) fp32 of `attention` for output gradient `do`.
 
     route=None: gradients of the exact fp32 attention (autograd of the exact forward; `o`, `lse`
     are not needed and ignored). With a route: the emulated kernel backward, which recomputes
     scores from the forward's quantized operands and diagonal decisions, takes `o` and `lse`
     as given (D = rowsum(dÔ∘O) uses them) and processes documents in query chunks. `mma`: the
-    tensor-core model of the recomputed scores ("exact" or "sm90_fp8", numerics.mma).
+    tensor-core model of the recomputed scores ("exact" or "sm90_fp8", numerics.mma). `tile_m`,
+    `tile_n`, `key_align`: the forward kernel's tiling (its diagonal decisions are repeated).
     """
     r = resolve_route(route)
     if r is not None:
         return route_backward(r, q, k, v, o, lse, do, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n,
-                              scale=scale, mma=mma)
+                              scale=scale, mma=mma, key_align=key_align)
     with torch.enable_grad():
         leaves = [t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v)]
         out = exact_attention(*leaves, cu_seqlens, causal, scale=scale)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.enums import DiagonalPolicy, ExponentRule, Format, Granularity
+from ..spec.enums import ExponentRule, Format, Granularity
 from ..spec.route import OperandQuant, Route
 from . import formats
 from .exp2 import exp2_poly3, poly_columns, poly_quarters
@@ -194,19 +194,19 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
     if key_align <= 0 or key_align > tile_n:
         raise ValueError(f"key_align must be in [1, tile_n={tile_n}], got {key_align}")
     ops = route.operands
-    tb = Granularity.token_block
     fp8_mma = check_model(mma) == "sm90_fp8"
-    per_key_v = causal and route.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb
+    sg = route.forward_safeguards(causal)
+    per_key_v = sg.per_key_v
     return Plan(
         route=route, causal=causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
-        per_key_k=causal and route.k_fold and ops.k.granularity is tb,
+        per_key_k=sg.per_key_k,
         per_key_v=per_key_v,
-        causal_rows_q=route.exact and ops.q.granularity is tb,
-        causal_rows_do=route.exact and ops.do.granularity is tb,
+        causal_rows_q=sg.rows_q,
+        causal_rows_do=route.exact and ops.do.granularity is Granularity.token_block,
         causal_dq=route.causal_dq_scale,
         chunk=max(tile_m, (chunk // tile_m) * tile_m), key_align=key_align,
         mma_qk=fp8_mma and _fp8_codes(ops.q) and _fp8_codes(ops.k),
-        mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized and not per_key_v,
+        mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized,
         exp_poly_quarters=poly_quarters(route.exp_approx.value))
 
 
@@ -264,14 +264,18 @@ class Geometry:
     diag: torch.Tensor | None  # (M, N) bool: (query tile, key tile) is a diagonal tile
 
 
-def geometry(plan: Plan, a: int, b: int, n: int, length: int, device) -> Geometry:
+def geometry(plan: Plan, a: int, b: int, n: int, length: int, device, delta: int = 0) -> Geometry:
+    """Diagonal tiles are the forward kernel's masked key tiles: with key tiles starting `delta`
+    keys before the document (key tile of key j: (j + delta) // tile_n), those from the tile
+    holding the query tile's first row on (`n_mask` of the template's `key_tiling`). Every key
+    a 32-token block could share with a later position of a query tile lies in them."""
     vis = visible_mask(a, b - a, n, plan.causal, device)
     diag = None
     if plan.causal and (plan.per_key_k or plan.per_key_v):
         i = torch.arange(a, b, device=device)[:, None]
         j = torch.arange(n, device=device)[None, :]
-        last_key = torch.clamp((j // plan.tile_n + 1) * plan.tile_n, max=length) - 1
-        diag = last_key > (i // plan.tile_m) * plan.tile_m
+        first_row = (i // plan.tile_m) * plan.tile_m
+        diag = (j + delta) // plan.tile_n >= (first_row + delta) // plan.tile_n
     return Geometry(vis, ~vis.any(dim=-1), diag)
 
 
@@ -341,17 +345,24 @@ def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: in
     return torch.ceil(run), key_tile, order
 
 
-def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta):
+def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_diag=None, diag=None):
     """Σ P̂·V (codes) as the kernel accumulates it: per query tile, key tiles in visit order,
     the accumulator rescaled by 2^(m_old − m_new) (exact) before each tile's FP8 wgmma, k-blocks
-    of 32 keys under the sm90_fp8 model. Returns the sum under each row's final reference."""
+    of 32 keys under the sm90_fp8 model. Returns the sum under each row's final reference.
+    `v_codes_diag`, `diag` (M, N): per-key V codes on the diagonal tiles (one pattern per query
+    tile: the kernel loads the per-token Vᵀ copy for a whole key tile)."""
     H, M, N = p_codes.shape
     tm, tn = plan.tile_m, plan.tile_n
     n_tiles = run.shape[-1]
+    pad = (0, 0, delta, n_tiles * tn - N - delta)
     P = torch.nn.functional.pad(p_codes, (delta, n_tiles * tn - N - delta))
-    V = torch.nn.functional.pad(v_codes, (0, 0, delta, n_tiles * tn - N - delta))
+    V = torch.nn.functional.pad(v_codes, pad)
+    if v_codes_diag is not None:
+        Vd = torch.nn.functional.pad(v_codes_diag, pad)
+        Dg = torch.nn.functional.pad(diag, (delta, n_tiles * tn - N - delta))
     out = torch.zeros(H, M, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
     for r0 in range(0, M, tm):
+        Vr = V if v_codes_diag is None else torch.where(Dg[r0][None, :, None], Vd, V)
         r1 = min(M, r0 + tm)
         acc = torch.zeros(H, r1 - r0, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
         m_old = torch.full((H, r1 - r0), float("-inf"), device=p_codes.device)
@@ -363,7 +374,7 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta):
             f = torch.where(torch.isfinite(m_old) & live, torch.exp2(m_old - m_t), torch.ones_like(m_t))
             acc = acc * f[..., None]
             m_old = torch.where(live, m_t, m_old)
-            acc = fp8_matmul(P[:, r0:r1, t * tn:(t + 1) * tn], V[:, t * tn:(t + 1) * tn], acc)
+            acc = fp8_matmul(P[:, r0:r1, t * tn:(t + 1) * tn], Vr[:, t * tn:(t + 1) * tn], acc)
         out[:, r0:r1] = acc
     return out
 
@@ -402,7 +413,9 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
     if plan.mma_pv:
         # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
         p_scale = float(2.0 ** pq.static_exponent)
-        acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta) / p_scale
+        split = vt is not None and g.diag is not None
+        acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta,
+                                 vt.codes if split else None, g.diag if split else None) / p_scale
     else:  # P̂ carried from its running reference to the final m (exact powers of two)
         p_hat = torch.exp2(y - m[..., None]) if p_t is None else p_t * torch.exp2(mt - m[..., None])
         acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
@@ -432,7 +445,7 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
         vt = f.v_tok.doc(s, e, heads) if f.v_tok else None
         for a, b in query_chunks(e - s, chunk_rows(plan.chunk, Hq, e - s, plan.tile_m)):
             n = b if causal else e - s
-            g = geometry(plan, a, b, n, e - s, q.device)
+            g = geometry(plan, a, b, n, e - s, q.device, s % plan.key_align)
             oc, lc = _forward_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n),
                                     _cut(vt, n), g, a, e - s, s % plan.key_align)
             o[s + a:s + b] = oc.transpose(0, 1)
@@ -505,11 +518,12 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
-                   scale=None, mma="exact"):
+                   scale=None, mma="exact", key_align=1):
     """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `mma="sm90_fp8"` recomputes the
-    scores QKᵀ under the FP8 tensor-core model (the other products stay exact sums)."""
+    scores QKᵀ under the FP8 tensor-core model (the other products stay exact sums). `tile_m`,
+    `tile_n`, `key_align`: the *forward's* tiling, whose diagonal decisions the backward repeats."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma)
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align)
     bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
     o32 = o.to(torch.float32)
     lse2 = lse.to(torch.float32) * LOG2E
@@ -546,7 +560,7 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
         od, ld = o32[s:e].transpose(0, 1), lse2[s:e].transpose(0, 1)
         for a, b in query_chunks(L, chunk_rows(plan.chunk, Hq, L, plan.tile_m)):
             n = b if plan.causal else L
-            g = geometry(plan, a, b, n, L, dev)
+            g = geometry(plan, a, b, n, L, dev, s % plan.key_align)
             cg = _grad_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
                              do_r.value[:, a:b], od[:, a:b], ld[:, a:b], g)
             ds_q, ds_k = _folds(plan, cg, _cut(kq, n), _cut(kqt, n), qk.exp[:, a:b], g)

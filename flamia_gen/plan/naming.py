@@ -33,6 +33,8 @@ def procedural_name(kind: KernelKind, arch: Arch, route: str, params: dict) -> s
         if params.get("intra_wg_overlap"):
             parts.append("ovl")
         parts.append(str(params["scheduler"]))
+        if params.get("deterministic"):
+            parts.append("det")
     name = "_".join(str(p) for p in parts)
     if not _IDENT.match(name):
         raise ValueError(f"procedural name {name!r} is not an identifier")

@@ -106,11 +106,16 @@ def _attn_points(fam: KernelFamily, route: Route):
     base.update(p_static_exponent=ops["p"].static_exponent, diagonal=route.diagonal.value,
                 k_fold=route.k_fold, causal_dq_scale=route.causal_dq_scale, exp_approx=route.exp_approx.value,
                 sm_count=fam.sm_count)
-    for d, m, n, st, wg, preg, ovl, sch, causal in itertools.product(
+    for d, m, n, st, wg, preg, ovl, sch, causal, det in itertools.product(
             fam.head_dims, t.tile_m, t.tile_n, t.stages, t.compute_warpgroups, t.p_in_registers,
-            t.intra_wg_overlap, t.scheduler, t.causal):
-        yield dict(base, head_dim=d, tile_m=m, tile_n=n, stages=st, compute_warpgroups=wg, p_in_registers=preg,
-                   intra_wg_overlap=ovl, scheduler=sch.value, causal=causal)
+            t.intra_wg_overlap, t.scheduler, t.causal, t.deterministic):
+        sg = route.forward_safeguards(causal)
+        point = dict(base, head_dim=d, tile_m=m, tile_n=n, stages=st, compute_warpgroups=wg, p_in_registers=preg,
+                     intra_wg_overlap=ovl, scheduler=sch.value, causal=causal,
+                     diag_k=sg.per_key_k, diag_v=sg.per_key_v, rows_q=sg.rows_q)
+        if det:  # only deterministic variants carry the key (names and hashes of the others unchanged)
+            point["deterministic"] = True
+        yield point
 
 
 def _hash(obj) -> str:

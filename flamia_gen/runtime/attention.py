@@ -86,8 +86,8 @@ def available_routes() -> list[str]:
 
 
 @lru_cache(maxsize=256)
-def _pick_cached(root: str, kind: str, route: str, d: int, causal, profile, operand=None) -> dict:
-    return _pick(_bundle(root), kind, route, d, causal, profile, operand)
+def _pick_cached(root: str, kind: str, route: str, d: int, causal, profile, operand=None, det: bool = False) -> dict:
+    return _pick(_bundle(root), kind, route, d, causal, profile, operand, det)
 
 
 def _local_dispatcher() -> Dispatcher:
@@ -95,23 +95,27 @@ def _local_dispatcher() -> Dispatcher:
     return _dispatcher(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 
 
-def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=None) -> dict:
+def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=None, det: bool = False) -> dict:
+    """`det`: the deterministic backward variants (their own dispatch groups, `group_route`)."""
+    from ..dispatch.defaults import group_route
+
     disp = _local_dispatcher()
     try:
         if kind == "quant":
             name = disp.quantizer(route, operand, d, profile=profile).variant
         else:
-            name = disp.decide(kind, route, d, causal, profile=profile).variant
+            name = disp.decide(kind, group_route(route, det), d, causal, profile=profile).variant
     except KeyError:
         name = None
-    if name and name in b.variants:
+    if name and name in b.variants and bool(b.variants[name]["params"].get("deterministic")) == det:
         return b.variants[name]
     # the chosen variant is not in this bundle: any bundled variant of the same group
     if kind == "quant":
         cands = b.for_use(route, operand, "quant", head_dim=d)
     else:
         cands = [v for v in b.manifest["variants"] if v["kind"] == kind and v["uses"][0] == route
-                 and v["params"]["head_dim"] == d and v["params"]["causal"] == causal]
+                 and v["params"]["head_dim"] == d and v["params"]["causal"] == causal
+                 and bool(v["params"].get("deterministic")) == det]
     if not cands:
         raise NoKernelError(f"no {kind} kernel for route={route!r} operand={operand} head_dim={d} causal={causal} "
                             f"on {ARCH} in bundle {b.root}")
@@ -179,14 +183,56 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
                               work=_work_list(cu_seqlens, T, fwd["params"]))
     else:
-        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu_seqlens)
-        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu_seqlens)
-        vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu_seqlens)
-        o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], qq["codes"], kq["codes"], vq["codes_t"],
-                              per_token_scales(qq["scales"], q), per_token_scales(kq["scales"], k),
-                              per_token_scales(vq["scales"], v), cu_seqlens=cu_seqlens, params=fwd["params"],
+        ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile)
+        o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, work=_work_list(cu_seqlens, T, fwd["params"]))
     return (o, lse) if return_lse else o
+
+
+@lru_cache(maxsize=64)
+def token_copy_use(root: str, route: str, operand: str, d: int) -> tuple[str, str]:
+    """(route, operand) served by a bundled quantizer that writes `operand` of `route` per token:
+    the same format and exponent rule, granularity `token` (the copies the token-block routes'
+    safeguards read: Route.forward_safeguards). NoKernelError when the bundle has none."""
+    b = _bundle(root)
+    own = b.for_use(route, operand, "quant", head_dim=d, with_delta=False)
+    if not own:
+        raise NoKernelError(f"no quantizer for {route}.{operand} (head_dim={d}) on {ARCH} in bundle {root}")
+    p = own[0]["params"]
+    for v in sorted(b.manifest["variants"], key=lambda e: e["name"]):
+        vp = v["params"]
+        if (v["kind"] == "quant" and vp.get("granularity") == "token" and vp.get("fmt") == p["fmt"]
+                and vp.get("exponent_rule") == p["exponent_rule"] and not vp.get("hadamard")
+                and vp.get("head_dim") == d and not vp.get("with_delta") and v["uses"]):
+            r, op = v["uses"][0].split(".")
+            return r, op
+    raise NoKernelError(f"no per-token {p['fmt']} quantizer (the diagonal-tile copy of {route}.{operand}, "
+                        f"head_dim={d}) on {ARCH} in bundle {root}")
+
+
+def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile) -> dict:
+    """The fused quantizer launches an FP8 forward variant needs, as run_attn_fwd keyword arguments:
+    Q, K, Vᵀ codes and per-token exponents of the route, Q per token where the route keeps O_i
+    causal (rows_q), and the per-token K / Vᵀ copies its diagonal tiles read (diag_k, diag_v)."""
+    root, D, p = str(b.root), q.shape[2], fwd["params"]
+
+    def launch(x, r, op):
+        return _quantize(b, _pick_cached(root, "quant", r, D, None, profile, op), x, cu)
+
+    qq = launch(q, *(token_copy_use(root, route, "q", D) if p.get("rows_q") else (route, "q")))
+    kq, vq = launch(k, route, "k"), launch(v, route, "v")
+    ins = dict(q=qq["codes"], k=kq["codes"], v=vq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
+               k_scale=per_token_scales(kq["scales"], k), v_scale=per_token_scales(vq["scales"], v))
+    diag = {}
+    if p.get("diag_k"):
+        kt = launch(k, *token_copy_use(root, route, "k", D))
+        diag.update(k_diag=kt["codes"], k_diag_scale=per_token_scales(kt["scales"], k))
+    if p.get("diag_v"):
+        vt = launch(v, *token_copy_use(root, route, "v", D))
+        diag.update(v_t_diag=vt["codes_t"], v_diag_scale=per_token_scales(vt["scales"], v))
+    if diag:
+        ins["diag"] = diag
+    return ins
 
 
 # ---------------------------------------------------------------- backward helpers (issue #9)
@@ -204,14 +250,21 @@ def bwd_candidates(b: Bundle, route: str, d: int, causal: bool) -> list[dict]:
             and v["params"].get("head_dim") == d and v["params"].get("causal") == causal]
 
 
-def pick_bwd(b: Bundle, route: str, d: int, causal: bool, profile) -> dict:
-    """The backward kernel for this call, or NoKernelError (never another route, never the emulator)."""
-    if not bwd_candidates(b, route, d, causal):
+def pick_bwd(b: Bundle, route: str, d: int, causal: bool, profile, deterministic: bool = False) -> dict:
+    """The backward kernel for this call, or NoKernelError (never another route, never the emulator,
+    never a non-deterministic kernel when `deterministic`)."""
+    cands = bwd_candidates(b, route, d, causal)
+    if not cands:
         raise NoKernelError(
             f"no backward kernel for route {route!r} (head_dim={d}, causal={causal}) on {ARCH} yet: bundle "
             f"{b.root} has no attn_bwd variant for it (rebuild it with `flamia-gen bundle --arch {ARCH}`; the "
             f"{ARCH} backward exists for the routes of specs/kernels/attn_bwd_sm90.yaml)")
-    return _pick_cached(str(b.root), "attn_bwd", route, d, bool(causal), profile)
+    if deterministic and not any(c["params"].get("deterministic") for c in cands):
+        raise NoKernelError(
+            f"no deterministic backward kernel for route {route!r} (head_dim={d}, causal={causal}) on {ARCH}: "
+            f"bundle {b.root} has only variants whose dQ partials are reduce-added in a varying order "
+            f"(specs/kernels/attn_bwd_sm90.yaml tunables.deterministic must list true)")
+    return _pick_cached(str(b.root), "attn_bwd", route, d, bool(causal), profile, None, bool(deterministic))
 
 
 def _delta_quant_tag(route: str, d: int) -> str | None:

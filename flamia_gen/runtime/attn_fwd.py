@@ -169,18 +169,51 @@ def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_se
     return T, HQ, HKV, D
 
 
+DIAG_INPUTS = ("k_diag", "k_diag_scale", "v_t_diag", "v_diag_scale")
+
+
+def diag_inputs_needed(params: dict) -> tuple[str, ...]:
+    """The per-token copies a variant reads on its diagonal (masked) key tiles: K and its scales
+    when PARAMS["diag_k"], Vᵀ and its scales when PARAMS["diag_v"] (Route.forward_safeguards)."""
+    return (("k_diag", "k_diag_scale") if params.get("diag_k") else ()) + \
+        (("v_t_diag", "v_diag_scale") if params.get("diag_v") else ())
+
+
+def check_diag_inputs(diag: dict, params: dict, T: int, HKV: int, D: int, t_pad: int, dev) -> None:
+    """The diagonal-tile copies: exactly those the variant needs, shaped like k, its scales and v_t."""
+    need = diag_inputs_needed(params)
+    extra = sorted(set(diag) - set(need))
+    _need(not extra, extra[0] if extra else "", "this variant takes no such input (no diagonal safeguard for it)")
+    for name in need:
+        t = diag.get(name)
+        _need(t is not None, name, "required by this variant's diagonal-tile safeguard (Route.forward_safeguards)")
+        if name.endswith("_scale"):
+            _check_tensor(t, name, (torch.uint8,), (T, HKV), dev)
+        elif name == "k_diag":
+            _check_tensor(t, name, _FP8_CODE_DTYPES, (T, HKV, D), dev)
+        else:
+            _check_tensor(t, name, _FP8_CODE_DTYPES, (HKV, D, t_pad), dev)
+
+
 def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
                  cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
-                 work: torch.Tensor | None = None):
+                 work: torch.Tensor | None = None, diag: dict | None = None):
     """Call a compiled attention forward; returns (o BF16 (T, HQ, D), lse fp32 (HQ, T)).
 
     `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS (tile_m,
     tile_n, causal, head_dim). fp8 routes: q, k codes, v = v_t codes (HKV, D, T_PAD) and the
-    three uint8 scale tensors; bf16: q, k, v. `poison` fills the outputs with NaN first, so a
-    row the kernel never writes shows up. `work` overrides the work list (tests)."""
+    three uint8 scale tensors; bf16: q, k, v. `diag`: the per-token copies the token-block routes'
+    diagonal tiles read (`diag_inputs_needed`: k_diag, k_diag_scale, v_t_diag, v_diag_scale).
+    `poison` fills the outputs with NaN first, so a row the kernel never writes shows up. `work`
+    overrides the work list (tests)."""
     fp8 = _is_fp8_spec(args_spec)
     T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
                                      head_dim=params.get("head_dim"))
+    diag = dict(diag or {})
+    if fp8:
+        check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
+    elif diag:
+        raise ValueError(f"{sorted(diag)[0]}: the bf16 route takes no diagonal-tile copies")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -200,6 +233,9 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
             k = k_rows_for_tma(k, v.shape[2])
         by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
                        v_scale=v_scale)
+        by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
+        if params.get("k_row_perm") and "k_diag" in diag:
+            by_name["k_diag"] = _as_e4m3(k_rows_for_tma(diag["k_diag"], v.shape[2]))
     else:
         by_name.update(q=q, k=k, v=v)
     missing = [a["name"] for a in args_spec if a["name"] not in by_name]
@@ -210,4 +246,4 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
 
 
 __all__ = ["make_work_list", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
-           "SUPPORTED_HEAD_DIMS"]
+           "SUPPORTED_HEAD_DIMS", "DIAG_INPUTS", "diag_inputs_needed", "check_diag_inputs"]

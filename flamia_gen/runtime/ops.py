@@ -124,8 +124,10 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) 
 
 @torch.library.custom_op("flamia::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  causal: bool, route: str, softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o BF16 (T, HQ, D), lse fp32 (HQ, T)) from the bundle's quantizers + forward kernel."""
+                  causal: bool, route: str, softmax_scale: Optional[float],
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o BF16 (T, HQ, D), lse fp32 (HQ, T)) from the bundle's quantizers + forward kernel.
+    `deterministic` is for the backward (the forward is deterministic): autograd passes it on."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
     o, lse = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
                               int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
@@ -134,7 +136,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale):
+def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic=False):
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
     T, HQ, D = q.shape
     o = q.new_empty((T, HQ, D), dtype=torch.bfloat16)
@@ -151,12 +153,12 @@ def _require_cuda(q: torch.Tensor) -> None:
 
 
 def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route: str,
-                  softmax_scale: float | None):
+                  softmax_scale: float | None, deterministic: bool = False):
     T, HQ, D = q.shape
     b = _current_bundle(route)
     profile = doc_profile(T, cu, max_seqlen)
     # the kernel first: no backward kernel → NoKernelError before any launch
-    bwd = pick_bwd(b, route, D, bool(causal), profile)
+    bwd = pick_bwd(b, route, D, bool(causal), profile, deterministic=bool(deterministic))
     _require_cuda(q)
     dq, dk, dv, _ = backward_with(b, bwd, do, q, k, v, o, lse, cu, profile, softmax_scale)
     return dq, dk, dv
@@ -195,14 +197,18 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
-                  softmax_scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq BF16 like q, dk, dv BF16 like k, v): dO launch + the bundle's attn_bwd kernel, or NoKernelError."""
+                  softmax_scale: Optional[float],
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq BF16 like q, dk, dv BF16 like k, v): dO launch + the bundle's attn_bwd kernel, or NoKernelError.
+    `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise reproducible)."""
     return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
-                         lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale)
+                         lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale,
+                         deterministic)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale):
+def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
+                        deterministic=False):
     return (q.new_empty(q.shape, dtype=torch.bfloat16), k.new_empty(k.shape, dtype=torch.bfloat16),
             v.new_empty(v.shape, dtype=torch.bfloat16))
 
@@ -211,10 +217,11 @@ def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, rou
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
     ctx.max_seqlen, ctx.causal, ctx.route, ctx.softmax_scale = max_seqlen, causal, route, softmax_scale
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
@@ -222,10 +229,10 @@ def _backward(ctx, grad_o, grad_lse):
     # lse is non-differentiable (marked in setup_context): grad_lse is ignored
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     if grad_o is None:
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,
-                                                ctx.causal, ctx.route, ctx.softmax_scale)
-    return dq, dk, dv, None, None, None, None, None
+                                                ctx.causal, ctx.route, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -235,7 +242,8 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              causal: bool = True, route: str = "fp8_token", softmax_scale: float | None = None) -> torch.Tensor:
+              causal: bool = True, route: str = "fp8_token", softmax_scale: float | None = None,
+              deterministic: bool = False) -> torch.Tensor:
     """Packed low-precision attention with autograd: BF16 o (T, HQ, D).
 
     q (T, HQ, D), k, v (T, HKV, D) BF16 on one CUDA device (non-contiguous inputs are copied),
@@ -243,11 +251,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     cu_seqlens int32 (num_docs + 1) on the same device, cu_seqlens[0] = 0, cu_seqlens[-1] = T,
     non-decreasing (values are not checked: that would sync); max_seqlen ≥ the longest document
     (a dispatch hint: it picks the kernel, never changes the result's masking).
+    `deterministic=True`: the backward adds dQ partials in a fixed order, so gradients are bitwise
+    reproducible run to run (a `_det` backward variant; NoKernelError when the bundle has none).
     Raises ValueError naming a bad argument and NoKernelError when the bundle has no kernel
-    (the backward, today, for every route: docs/ops.md)."""
+    for the route (docs/ops.md)."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+    if not isinstance(deterministic, bool):
+        raise _bad("deterministic", f"expected a bool, got {type(deterministic).__name__}")
     if isinstance(softmax_scale, int):
         softmax_scale = float(softmax_scale)
     o, _ = torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                          max_seqlen, causal, route, softmax_scale)
+                                          max_seqlen, causal, route, softmax_scale, deterministic)
     return o

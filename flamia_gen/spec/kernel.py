@@ -37,6 +37,8 @@ class AttnTunables(BaseModel):
     intra_wg_overlap: list[bool] = [True]
     scheduler: list[Scheduler] = [Scheduler.longest_first]
     causal: list[bool] = [True, False]
+    # backward only: dQ partials reduce-added in a fixed order (bitwise reproducible runs)
+    deterministic: list[bool] = [False]
 
 
 def tunables_model(kind) -> type[QuantTunables] | type[AttnTunables]:

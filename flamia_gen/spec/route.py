@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -159,14 +160,31 @@ class Route(BaseModel):
     def quantized(self) -> bool:
         return any(oq.quantized for _, oq in self.operands.items())
 
+    def forward_safeguards(self, causal: bool) -> "ForwardSafeguards":
+        """Which token-block operands a causal forward replaces by their per-token copies, and
+        where (the emulator, the templates and the runtime all read this one rule):
+        per_key_k / per_key_v on diagonal tiles (k_fold / diagonal=per_key_v), per-token Q rows
+        in QKᵀ for an exact route. Nothing applies without a causal mask."""
+        ops, tb = self.operands, Granularity.token_block
+        return ForwardSafeguards(
+            per_key_k=causal and self.k_fold and ops.k.granularity is tb,
+            per_key_v=causal and self.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb,
+            rows_q=self.exact and ops.q.granularity is tb)
+
     def spec_hash(self) -> str:
         """Content hash of the parsed route (not the YAML text): comments and key order don't count."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+class ForwardSafeguards(NamedTuple):
+    per_key_k: bool  # K per key (token scale) on diagonal tiles, in QKᵀ and in dS·K
+    per_key_v: bool  # V per key on diagonal tiles, in PV and in dO·Vᵀ
+    rows_q: bool  # Q per token in QKᵀ (O_i then depends on q_i's own scale only)
+
+
 def operand_quant(route: Route, operand: Operand | str) -> OperandQuant:
     return getattr(route.operands, Operand(operand).value)
 
 
-__all__ = ["OperandQuant", "Operands", "Route", "operand_quant"]
+__all__ = ["ForwardSafeguards", "OperandQuant", "Operands", "Route", "operand_quant"]

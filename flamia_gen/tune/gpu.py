@@ -170,7 +170,7 @@ class AttnFwdHook:
             for _ in range(2):  # two input sets: L2 (60 MB) does not hold the working set
                 q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
                                        dev)
-                ins = kernel_inputs(route, q, k, v, cu)
+                ins = kernel_inputs(route, q, k, v, cu, entry["params"])
                 p = entry["params"]
                 # the work list is per row, not per call: build it outside the timer
                 work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))

@@ -20,6 +20,7 @@ from ..bench.flops import attention_flops
 from ..runtime.attention import per_token_scales
 from ..runtime.attn_fwd import kernel_key_align, make_work_list, run_attn_fwd
 from ..spec import get_route
+from ..spec.enums import Granularity
 
 # Kernel vs emulator, every input kind. The emulator runs with the kernel's tiling (tile
 # order, key alignment) and, for FP8 kernels, the Hopper FP8 tensor-core accumulation model
@@ -78,21 +79,38 @@ def make_qkv(doc_lens, hq, hkv, d, kind, gen, device):
             cu.to(**to))
 
 
-def kernel_inputs(route, q, k, v, cu):
-    """What the fused quantizer hands the forward (made here by the emulator, which the
-    quantizer kernels are bitwise equal to)."""
+def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
+    """What the fused quantizer launches hand the forward variant with PARAMS `params` (made here
+    by the emulator's quantizer, which the quantizer kernels are bitwise equal to): Q per token
+    where `rows_q`, the per-token K / Vᵀ copies of the diagonal tiles where `diag_k` / `diag_v`
+    (as runtime.attention.fp8_forward_inputs launches them)."""
     ops = route.operands
     if not ops.q.quantized:
         return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous())
-    qq = quantize(q, ops.q, cu)
+    p = params or {}
+
+    def tok(oq):
+        return oq.model_copy(update={"granularity": Granularity.token})
+
+    qq = quantize(q, tok(ops.q) if p.get("rows_q") else ops.q, cu)
     kq = quantize(k, ops.k, cu)
     vq = quantize(v, ops.v, cu)
-    return dict(q=qq.codes, q_scale=per_token_scales(qq.scales, q), k=kq.codes, k_scale=per_token_scales(kq.scales, k),
-                v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
+    ins = dict(q=qq.codes, q_scale=per_token_scales(qq.scales, q), k=kq.codes, k_scale=per_token_scales(kq.scales, k),
+               v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
+    diag = {}
+    if p.get("diag_k"):
+        kt = quantize(k, tok(ops.k), cu)
+        diag.update(k_diag=kt.codes, k_diag_scale=per_token_scales(kt.scales, k))
+    if p.get("diag_v"):
+        vt = quantize(v, tok(ops.v), cu)
+        diag.update(v_t_diag=vt.codes_t, v_diag_scale=per_token_scales(vt.scales, v))
+    if diag:
+        ins["diag"] = diag
+    return ins
 
 
 def run_kernel(fn, entry, route, q, k, v, cu, poison=True):
-    ins = kernel_inputs(route, q, k, v, cu)
+    ins = kernel_inputs(route, q, k, v, cu, entry["params"])
     return run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], poison=poison, **ins)
 
 
@@ -186,7 +204,7 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
         sets = []
         for _ in range(3):  # rotate inputs so L2 does not hold them
             q, k, v, cu = make_qkv(doc_lens, heads, heads, d, "gauss", gen, "cuda")
-            ins = kernel_inputs(route, q, k, v, cu)
+            ins = kernel_inputs(route, q, k, v, cu, entry["params"])
             p = entry["params"]
             work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
             sets.append((ins, cu, work))

@@ -166,3 +166,17 @@ def test_delta_refused_for_hadamard_or_fp4_do():
     assert not ok and "Hadamard" in why
     ok, why = _delta_supported(OperandQuant(format="e2m1", granularity="nvfp4", block=16))
     assert not ok and "E2M1" in why
+
+
+def test_attn_fwd_smem_estimate_prunes_what_the_h200_refused():
+    """H200, 2026-11-29: bf16 m192n128 s2 (3 consumer warpgroups) asked for 233472 B of shared
+    memory (> 232448 B) and failed to launch; the estimate must prune it and keep fp8 m192."""
+    from flamia_gen.plan.feasibility import attn_smem_bytes
+
+    p = dict(head_dim=128, tile_m=192, tile_n=128, stages=2, p_in_registers=True)
+    assert attn_smem_bytes(p, 2) == 233472
+    plan = make_plan(load_specs(), arch="sm90", kinds=["attn_fwd"])
+    pruned = {x.name: x.reason for x in plan.pruned}
+    assert "shared memory 233472 B" in pruned["attn_fwd_sm90_bf16_d128_m192n128_s2_wg3_preg_longest_first"]
+    names = {v.name for v in plan.variants}
+    assert "attn_fwd_sm90_fp8_token_d128_m192n128_s2_wg3_preg_longest_first" in names

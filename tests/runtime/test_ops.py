@@ -48,10 +48,12 @@ def test_ops_are_registered_with_their_schemas():
     fwd = torch.ops.flamia.attention_fwd.default._schema
     bwd = torch.ops.flamia.attention_bwd.default._schema
     assert [a.name for a in fwd.arguments] == ["q", "k", "v", "cu_seqlens", "max_seqlen", "causal", "route",
-                                               "softmax_scale"]
-    assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]"]
+                                               "softmax_scale", "deterministic"]
+    assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]", "bool"]
+    assert fwd.arguments[-1].default_value is False and bwd.arguments[-1].default_value is False
     assert len(fwd.returns) == 2 and len(bwd.returns) == 3
     assert [a.name for a in bwd.arguments][:7] == ["do", "q", "k", "v", "o", "lse", "cu_seqlens"]
+    assert bwd.arguments[-1].name == "deterministic"
     assert not fwd.is_mutable and not bwd.is_mutable
 
 
@@ -477,3 +479,49 @@ def test_gpu_backward_raises_until_the_bundle_has_a_kernel(route, causal):
     else:
         with pytest.raises(NoKernelError, match=f"no backward kernel for route '{route}'"):
             torch.autograd.grad(o.float().sum(), (q, k, v))
+
+
+def test_deterministic_backward_is_picked_only_when_asked_and_never_substituted(monkeypatch, tmp_path):
+    """deterministic=True takes a `_det` backward variant (its own dispatch group); without one in
+    the bundle it is NoKernelError, never the non-deterministic kernel. False never takes `_det`."""
+    from flamia_gen.runtime.attention import _bundle, doc_profile, pick_bwd
+
+    d = _fake_bundle(tmp_path, with_bwd=True)
+    b = _bundle(str(d.resolve()))
+    prof = doc_profile(T, torch.zeros(3, dtype=torch.int32), 34)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert not pick_bwd(b, "fp8_token", 128, True, prof)["params"].get("deterministic")
+        with pytest.raises(NoKernelError, match="no deterministic backward kernel for route 'fp8_token'"):
+            pick_bwd(b, "fp8_token", 128, True, prof, deterministic=True)
+    m = json.loads((d / "manifest.json").read_text())
+    det = "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_det"
+    m["variants"].append(_entry(det, "attn_bwd", ["fp8_token"], {"head_dim": 128, "causal": True, "tile_m": 64,
+                                                                "tile_n": 128, "deterministic": True}))
+    d2 = tmp_path / "bundle_det"
+    d2.mkdir()
+    (d2 / "manifest.json").write_text(json.dumps(m))
+    b2 = _bundle(str(d2.resolve()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert pick_bwd(b2, "fp8_token", 128, True, prof, deterministic=True)["name"] == det
+        assert pick_bwd(b2, "fp8_token", 128, True, prof)["name"] != det
+
+
+def test_deterministic_flag_is_checked_and_reaches_the_backward(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(_fake_bundle(tmp_path)))
+    _reference_fwd(monkeypatch)
+    q, k, v, cu = _qkv(grad=True)
+    with pytest.raises(ValueError, match="deterministic: expected a bool"):
+        flamia_gen.attention(q, k, v, cu, 34, deterministic=1)
+    seen = {}
+
+    def fake_run_backward(do, q, k, v, o, lse, cu, max_seqlen, causal, route, softmax_scale, deterministic=False):
+        seen["deterministic"] = deterministic
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(ops_mod, "_run_backward", fake_run_backward)
+    flamia_gen.attention(q, k, v, cu, 34, deterministic=True).float().sum().backward()
+    assert seen == {"deterministic": True}
+    flamia_gen.attention(q, k, v, cu, 34).float().sum().backward()
+    assert seen == {"deterministic": False}
