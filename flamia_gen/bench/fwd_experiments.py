@@ -36,11 +36,10 @@ EXPERIMENTS: dict[str, dict] = {
                      note="both"),
     "poly25": dict(over={"exp_poly_frac": 0.25}, when=lambda p: True, note="25 % polynomial exp2"),
     "poly50": dict(over={"exp_poly_frac": 0.5}, when=lambda p: True, note="50 % polynomial exp2"),
-    # 3 consumer warpgroups get setmaxnreg 160: S (tile_n/2) + O (D/2) + P fits only at n128
-    # without the overlap's second S.
-    "wgs3": dict(over={"consumer_wgs3": True, "compute_warpgroups": 3, "tile_m": 192},
-                 when=lambda p: p["tile_n"] == 128 and not p["intra_wg_overlap"],
-                 note="3 consumer WGs, tile_m 192, regs 32/160"),
+    # the overlap variant without the FA3 ping-pong of the two warpgroups' GEMM issue phases:
+    # does FP8 lose its overlap gain to the barrier protocol? (profile 2026-11-29, perf-notes)
+    "nopp": dict(over={"ovl_pingpong": False}, when=lambda p: p["intra_wg_overlap"] and p["compute_warpgroups"] == 2,
+                 note="intra-warpgroup overlap, no inter-warpgroup ping-pong"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"

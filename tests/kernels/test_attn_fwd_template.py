@@ -58,7 +58,10 @@ def test_render_deterministic_and_parses(v):
     names = [x["name"] for x in lit["ARGS"]]
     tail = ["cu_seqlens", "work", "softmax_scale", "o", "lse"]
     if v.param("q_fmt") == "e4m3":
-        assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + tail
+        from flamia_gen.runtime.attn_fwd import diag_inputs_needed
+
+        diag = list(diag_inputs_needed(lit["PARAMS"]))  # the token-block routes' diagonal-tile copies
+        assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + diag + tail
         assert "QGMMA" not in a  # sanity: the source is DSL, not SASS
     else:
         assert names == ["q", "k", "v"] + tail
@@ -430,10 +433,10 @@ def test_compile_fp8_k_row_perm_variant(compile_sm90):
 
 
 # ----------------------------------------------------------------------------- performance-experiment flags
-# kv_stages, release_k_early, exp_poly_frac, consumer_wgs3 (template flags, all off by default;
+# kv_stages, release_k_early, exp_poly_frac, ovl_pingpong (template flags, all at their defaults;
 # flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
 # defaults the rendered source must be byte-identical to the verified kernel.
-_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, consumer_wgs3=False)
+_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -441,7 +444,7 @@ def test_experiment_flags_off_by_default_render_identical(v):
     src = render_variant(v)
     assert _render_with(v, **_EXP_OFF) == src
     for tok in ("factor_slot", "ex2_poly3", "RELEASE_K_EARLY", "EXP_POLY_QUARTERS", "kv_stages",
-                "consumer_wgs3", "release_k_early", "exp_poly_frac"):
+                "ovl_pingpong", "release_k_early", "exp_poly_frac"):
         assert tok not in src
 
 
@@ -562,29 +565,34 @@ def test_exp_poly_frac_render_and_accuracy(frac, quarters):
     assert np.all(f(np.float32([-127.0, -130.0])) < 2.0 ** -126)  # below ex2.approx.ftz's range: ~0
 
 
-def test_consumer_wgs3_render_registers_and_tiling():
-    from dataclasses import replace
-
-    from flamia_gen.bench.fwd_experiments import experiment_variants
-
-    tagged = experiment_variants(("wgs3",), base_variants=_FP8)
-    w3 = [v for t, v in tagged if t == "wgs3"]
-    assert w3 and all(v.param("tile_n") == 128 and not v.param("intra_wg_overlap") for v in w3)
+def test_three_consumer_warpgroups_render_registers_and_tiling():
+    w3 = [v for v in VARIANTS if v.param("compute_warpgroups") == 3]
+    assert w3 and all(v.param("tile_m") == 192 and v.param("tile_n") == 128 and not v.param("intra_wg_overlap")
+                      for v in w3)
+    assert {v.route for v in w3} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact"}  # bf16 m192: smem
     for v in w3:
         src = render_variant(v)
         lit = _literals(src)["PARAMS"]
-        assert lit["tile_m"] == 192 and lit["compute_warpgroups"] == 3 and lit["consumer_wgs3"] is True
+        assert lit["tile_m"] == 192 and lit["compute_warpgroups"] == 3
         assert "TILE_M = 192" in src and "NUM_WG = 3" in src
         assert "self.regs_producer = 32" in src and "self.regs_consumer = 160" in src
         assert 128 * 32 + 3 * 128 * 160 <= 65536  # setmaxnreg budget of the 512-thread CTA
         assert "def sched_wait(" not in src  # ping-pong is a 2-warpgroup protocol
-        # the manifest params (what the runtime's work list reads) agree with the source
-        assert dict(v.params)["tile_m"] == 192
         test_key_tiling_aligned_and_covers_and_masks(v)
-    # the same flag alone (context only) renders the same kernel body
-    base = next(v for v in _FP8 if v.name + "_xwgs3" == w3[0].name)
-    assert _render_with(replace(base, name=w3[0].name), consumer_wgs3=True).split("\n", 2)[2] == \
-        render_variant(w3[0]).split("\n", 2)[2]
+
+
+def test_nopp_experiment_drops_only_the_ping_pong():
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    tagged = experiment_variants(("nopp",), base_variants=_FP8)
+    nopp = [v for t, v in tagged if t == "nopp"]
+    assert nopp and all(v.param("intra_wg_overlap") for v in nopp)
+    for v in nopp:
+        src = render_variant(v)
+        assert "def sched_wait(" not in src and "def overlap_tile(" in src
+        assert _literals(src)["PARAMS"]["ovl_pingpong"] is False
+        base = render_variant(next(b for b in _FP8 if b.name + "_xnopp" == v.name))
+        assert "def sched_wait(" in base
 
 
 def test_fwd_experiments_module_imports_without_dsl_and_names():
