@@ -106,6 +106,9 @@ def check_attn_bwd(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str
     each) and dQ (tile_m·D / (128·WG)), FA3's hdim-128 shape at 64×128 and 2 warpgroups."""
     d, m, n = params["head_dim"], params["tile_m"], params["tile_n"]
     wg = params["compute_warpgroups"]
+    if params.get("deterministic") and params.get("scheduler") == "static":
+        # units spin on units with smaller indices: safe only when every CTA is resident (persistent)
+        return False, "deterministic=true needs a persistent scheduler (longest_first), not static"
     if n != WGMMA_M * wg:
         return False, f"tile_n={n} must be 64 × compute_warpgroups ({wg}): each warpgroup owns 64 keys"
     if m % 64:

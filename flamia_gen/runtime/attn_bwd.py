@@ -12,6 +12,14 @@ tiles the key tile visits), padded with (-1, -1, -1) to NUM_WORK = ceil(T / tile
 A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
 summed over the GQA group in registers and written once (deterministic); dQ partials are
 reduce-added with fp32 atomics (not deterministic in the last bits; see the design doc).
+
+Deterministic variants (`deterministic: true` in the spec, `_det` in the name, ARGS with `dq_sem`)
+add the partials of each (query head, query tile) in increasing key-tile order behind an int32
+semaphore: run_attn_bwd zeroes `dq_sem` (HQ, num_dq_tiles) and builds `dq_tile_off` (the per-document
+prefix of query-tile counts, `dq_tile_offsets`) on the device, both without a host sync. The
+ordering argument is in the template and in docs/kernels/attn_bwd.md ("Deterministic mode"); it needs
+the work list's order (a document's key tiles in increasing n) and a GPU with ≥ sm_count SMs.
+COMPILED AND CPU-TESTED ONLY: never run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -40,6 +48,30 @@ def bwd_tiles(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, key_align: int
     nkt = torch.where(lens > 0, (lens + delta + tile_n - 1) // tile_n, torch.zeros_like(lens))
     nqt = (lens + delta + tile_m - 1) // tile_m
     return lens, delta, nkt, nqt
+
+
+def num_dq_tiles(T: int, num_docs: int, tile_m: int, key_align: int = 16) -> int:
+    """Static upper bound on Σ_d (query tiles of document d) = the width of `dq_sem`.
+
+    Document d has ceil((len_d + delta_d) / tile_m) query tiles (delta_d = doc_start mod key_align <
+    key_align); Σ_d ceil(len_d / tile_m) ≤ ceil(T / tile_m) + num_docs − 1 and ceil((L + delta) / M) ≤
+    ceil(L / M) + ceil((key_align − 1) / M). For key_align = 16 ≤ tile_m: ceil(T / tile_m) + 2·num_docs."""
+    return -(-T // tile_m) + num_docs * (1 + -(-(key_align - 1) // tile_m))
+
+
+def dq_tile_offsets(cu_seqlens: torch.Tensor, tile_m: int, key_align: int) -> torch.Tensor:
+    """int32 (NUM_DOCS + 1) on cu_seqlens' device: entry d is the `dq_sem` column of document d's query
+    tile 0 (the prefix sum of the documents' query-tile counts, empty documents count 0; the last entry
+    is the total). One column per (document, query tile): FP8 tiles of neighbouring documents may start
+    at the same token (doc_start rounded down to 16), their semaphores never do. No host sync."""
+    lens, _, _, nqt = bwd_tiles(cu_seqlens, tile_m, 1, key_align)
+    nqt = torch.where(lens > 0, nqt, torch.zeros_like(nqt))
+    return torch.cat([torch.zeros(1, dtype=torch.int64, device=nqt.device), torch.cumsum(nqt, 0)]).to(torch.int32)
+
+
+def is_deterministic_spec(args_spec: Sequence[dict]) -> bool:
+    """A deterministic variant (ordered dQ reduction): its ARGS take the `dq_sem` semaphore."""
+    return any(a["name"] == "dq_sem" for a in args_spec)
 
 
 def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
@@ -114,21 +146,61 @@ def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
     return any(a["name"] == "k_t" for a in args_spec)
 
 
+def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: int, cu_seqlens: torch.Tensor,
+                        key_align: int, dq_sem=None, dq_tile_off=None) -> bool:
+    """Validate the deterministic-mode arguments; returns whether the variant is deterministic.
+    A non-deterministic variant takes neither `dq_sem` nor `dq_tile_off`. A deterministic one takes,
+    optionally, `dq_sem` int32 (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) (run_attn_bwd
+    zeroes it on every call) and `dq_tile_off` int32 (NUM_DOCS + 1) (must equal
+    dq_tile_offsets(cu_seqlens, tile_m, key_align): its values are not checked, that would synchronise). On a CUDA device the GPU must have at
+    least PARAMS["sm_count"] SMs: every CTA of the persistent grid must be resident at once."""
+    det = is_deterministic_spec(args_spec)
+    if not det:
+        for t, name in ((dq_sem, "dq_sem"), (dq_tile_off, "dq_tile_off")):
+            _need(t is None, name, "only a deterministic variant (ARGS with dq_sem, name …_det) takes it")
+        return False
+    dev = cu_seqlens.device
+    _need(params.get("scheduler", "longest_first") != "static", "params",
+          "a deterministic backward needs the persistent scheduler (a unit waits on earlier units)")
+    if dq_sem is not None:
+        _check_tensor(dq_sem, "dq_sem", (torch.int32,), (HQ, None), dev)
+        need = num_dq_tiles(T, cu_seqlens.numel() - 1, params["tile_m"], key_align)
+        _need(dq_sem.shape[1] >= need, "dq_sem", f"{dq_sem.shape[1]} columns, need ≥ {need} "
+              f"(num_dq_tiles(T={T}, num_docs={cu_seqlens.numel() - 1}, tile_m={params['tile_m']}))")
+    if dq_tile_off is not None:
+        _check_tensor(dq_tile_off, "dq_tile_off", (torch.int32,), (cu_seqlens.numel(),), dev)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        want = int(params.get("sm_count", 0))
+        _need(sms >= want, "params", f"the deterministic backward launches {want} persistent CTAs that must all be "
+              f"resident (they wait on each other); this GPU has {sms} SMs: use a variant built with "
+              f"sm_count ≤ {sms} or a non-deterministic one")
+    return True
+
+
 def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
                  q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
                  dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
-                 work: torch.Tensor | None = None):
+                 work: torch.Tensor | None = None, dq_sem: torch.Tensor | None = None,
+                 dq_tile_off: torch.Tensor | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D)).
 
     `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS. `lse`: the
     forward's (HQ, T) natural-log LSE; `delta`: (HQ, T) from the dO quantizer launch (fp8) or
     rowsum(dO∘O) (bf16). `dq_accum`: the zeroed fp32 accumulator from the dO launch; None → a
-    zeroed one is allocated here. `poison` fills dK, dV with NaN first (rows never written show)."""
+    zeroed one is allocated here. `poison` fills dK, dV with NaN first (rows never written show).
+
+    Deterministic variants only (ARGS name `dq_sem`; see `check_deterministic`): `dq_sem`, an int32
+    (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) buffer to reuse (zeroed here on every call;
+    None → allocated with torch.zeros), and `dq_tile_off` (None → dq_tile_offsets(cu_seqlens, …)).
+    Both stay on the device (no host sync: CUDA-graph capturable)."""
     fp8 = _is_fp8_spec(args_spec)
     T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                      do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                      do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"))
+    det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=kernel_key_align(fp8),
+                              dq_sem=dq_sem, dq_tile_off=dq_tile_off)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -144,6 +216,16 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                               key_align=kernel_key_align(fp8), T=T)
     by_name = {"lse": lse, "delta": delta, "cu_seqlens": cu_seqlens, "work": work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
+    if det:
+        align = kernel_key_align(fp8)
+        if dq_sem is None:
+            dq_sem = torch.zeros((HQ, num_dq_tiles(T, cu_seqlens.numel() - 1, params["tile_m"], align)),
+                                 dtype=torch.int32, device=dev)
+        else:
+            dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
+        if dq_tile_off is None:
+            dq_tile_off = dq_tile_offsets(cu_seqlens, params["tile_m"], align)
+        by_name.update(dq_sem=dq_sem, dq_tile_off=dq_tile_off)
     if fp8:
         by_name.update(q=_as_e4m3(q), q_t=_as_e4m3(q_t), q_scale=q_scale, k=_as_e4m3(k), k_t=_as_e4m3(k_t),
                        k_scale=k_scale, v=_as_e4m3(v), v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t),
@@ -158,4 +240,5 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-__all__ = ["make_work_list", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["make_work_list", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+           "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

@@ -302,6 +302,14 @@ class AttnFwdSm90:
             Float32, (self.num_wg, 1, 1), (64, self.head_dim), a_source=warpgroup.OperandSource.RMEM)
         return qk, pv
 
+    def k_view(self, mK: cute.Tensor, mV: cute.Tensor) -> cute.Tensor:
+        """K as the TMA sees it. (T, H, D) → (T, D, H): the TMA box is (keys, D) of one head."""
+        return cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+
+    def v_view(self, mV: cute.Tensor) -> cute.Tensor:
+        """(T, H, D) → (T, D, H): the TMA box is (keys, D) of one head."""
+        return cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor,
                  mK: cute.Tensor,
@@ -312,9 +320,9 @@ class AttnFwdSm90:
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         # (T, H, D) → (T, D, H): the TMA box is (rows, D) of one head.
         mQv = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
-        mKv = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
-        mVv = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
+        mKv = self.k_view(mK, mV)
         v_tile = (self.tile_n, self.head_dim)
+        mVv = self.v_view(mV)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(g2s, mQv, self.sQ_layout, (self.tile_m, self.head_dim))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(

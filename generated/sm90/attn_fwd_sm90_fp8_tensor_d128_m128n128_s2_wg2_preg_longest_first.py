@@ -313,6 +313,14 @@ class AttnFwdSm90:
             Float32, (self.num_wg, 1, 1), (64, self.head_dim), a_source=warpgroup.OperandSource.RMEM)
         return qk, pv
 
+    def k_view(self, mK: cute.Tensor, mV: cute.Tensor) -> cute.Tensor:
+        """K as the TMA sees it. (T, H, D) → (T, D, H): the TMA box is (keys, D) of one head."""
+        return cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+
+    def v_view(self, mV: cute.Tensor) -> cute.Tensor:
+        """(HKV, D, T_PAD) → (D, T_PAD, HKV): the TMA box is (D, keys) of one head."""
+        return cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor,
                  mQs: cute.Tensor,
@@ -326,10 +334,9 @@ class AttnFwdSm90:
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         # (T, H, D) → (T, D, H): the TMA box is (rows, D) of one head.
         mQv = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
-        mKv = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
-        # (HKV, D, T_PAD) → (D, T_PAD, HKV): the TMA box is (D, keys) of one head.
-        mVv = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))
+        mKv = self.k_view(mK, mV)
         v_tile = (self.head_dim, self.tile_n)
+        mVv = self.v_view(mV)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(g2s, mQv, self.sQ_layout, (self.tile_m, self.head_dim))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(

@@ -1,8 +1,9 @@
 """The sm90 attention backward template (templates/sm90/attn_bwd.py.j2, family
 specs/kernels/attn_bwd_sm90.yaml) and its host wrapper. CPU only: rendering, the work list against
 the kernel's own tiling function, input checks, and `compile` tests that cross-compile one bf16 and
-one fp8_token variant for sm_90a in a subprocess. The kernel itself is checked on the GPU by
-`flamia-gen verify --device cuda` (docs/kernels/attn_bwd.md).
+one fp8_token variant (and their deterministic `_det` twins) for sm_90a in a subprocess. The
+deterministic mode's ordering argument and host side: tests/runtime/test_attn_bwd_deterministic.py.
+The kernel itself is checked on the GPU by `flamia-gen verify --device cuda` (docs/kernels/attn_bwd.md).
 """
 
 from __future__ import annotations
@@ -36,24 +37,34 @@ def _literals(src: str) -> dict:
     return out
 
 
-def test_family_expands_to_four_variants(variants):
+def _is_det(v) -> bool:
+    return bool(dict(v.params).get("deterministic", False))  # only deterministic variants carry the key
+
+
+def test_family_expands_to_eight_variants(variants):
     names = sorted(v.name for v in variants)
     assert names == [
         "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first",
+        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_det",
+        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_det_noncausal",
         "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
         "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first",
+        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_det",
+        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_det_noncausal",
         "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
     ]
+    assert all(_is_det(v) == ("_det" in v.name) for v in variants)
 
 
 def test_render_deterministic_and_parses(variants):
-    tail = ["lse", "delta", "cu_seqlens", "work", "softmax_scale", "dq_accum", "dk", "dv"]
     for v in variants:
         a, b = render_variant(v), render_variant(v)
         assert a == b
         lit = _literals(a)
         assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
         assert lit["PARAMS"]["kind"] == "attn_bwd" and lit["PARAMS"]["tile_m"] == 64 and lit["TILE_N"] == 128
+        tail = ["lse", "delta", "cu_seqlens", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
+        tail += ["softmax_scale", "dq_accum", "dk", "dv"]
         names = [x["name"] for x in lit["ARGS"]]
         if v.route == "fp8_token":
             assert names == ["q", "q_t", "q_scale", "k", "k_t", "k_scale", "v", "v_scale", "do", "do_t",
@@ -69,6 +80,57 @@ def test_render_deterministic_and_parses(variants):
                     "def _setup_attributes(", "def compile_args("):
             assert tok in a
         assert ("(kk > qq)" in a) == (not v.name.endswith("_noncausal"))
+
+
+# ----------------------------------------------------------------------------- deterministic mode
+_SEMAPHORE_CODE = ("dq_sem", "dq_tile_off", "mSem", "mQtOff", "wait_dq_turn", "pass_dq_turn", "ld.global.acquire",
+                   "red.release", "nanosleep", "DQ_BARRIER", "Deterministic")
+
+
+def _render_with(v, **over):
+    from flamia_gen.render.render import HEADER, _environment, templates_dir
+
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def test_non_deterministic_render_has_no_semaphore_code(variants):
+    """`deterministic` false or absent renders today's kernel: no semaphore, no new argument."""
+    plain = [v for v in variants if not _is_det(v)]
+    assert len(plain) == 4
+    for v in plain:
+        src = render_variant(v)
+        assert "deterministic" not in v.context
+        assert [tok for tok in _SEMAPHORE_CODE if tok in src] == []
+        assert '"deterministic_dq": False,' in src and '"deterministic": True' not in src
+        assert _render_with(v, deterministic=False) == src  # false and undefined render the same bytes
+
+
+def test_deterministic_render_waits_on_the_key_tile_index(variants):
+    for v in (v for v in variants if _is_det(v)):
+        src = render_variant(v)
+        lit = _literals(src)
+        assert lit["PARAMS"]["deterministic_dq"] is True and lit["PARAMS"]["deterministic"] is True
+        assert [tok for tok in _SEMAPHORE_CODE if tok not in src] == []
+        spec = {x["name"]: x for x in lit["ARGS"]}
+        assert spec["dq_sem"] == {"name": "dq_sem", "dtype": "int32", "shape": ["HQ", "NUM_QTILES"], "role": "inout"}
+        assert spec["dq_tile_off"] == {"name": "dq_tile_off", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"}
+        # the column of (document, query tile) and the turn n_block (runtime test: = contributors before it)
+        assert "qt0 = mQtOff[doc]" in src and "tidx, mSem, qt0 + m_block, n_block)" in src
+        assert "sem_ptr = mSem.iterator + (head * mSem.shape[1] + sem_col)" in src
+        # wait → adds → pass, in this order, around the dQ reduce-add
+        i_wait = src.index("self.wait_dq_turn(sem_ptr, sem_turn, tidx)")
+        i_add = src.index("cute.arch.atomic_add(mdQacc.iterator + off")
+        i_pass = src.index("self.pass_dq_turn(sem_ptr, tidx)")
+        assert i_wait < i_add < i_pass
+
+
+def test_deterministic_needs_the_persistent_scheduler(variants):
+    import jinja2
+
+    v = next(v for v in variants if _is_det(v))
+    with pytest.raises(jinja2.UndefinedError, match="deterministic_dq_needs_a_persistent_scheduler"):
+        _render_with(v, scheduler="static")
 
 
 # ----------------------------------------------------------------------------- tiling and work list
@@ -231,6 +293,21 @@ def test_compile_bf16_variant(variants, compile_sm90):
     ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("route, causal", [("fp8_token", True), ("bf16", False)])
+def test_compile_deterministic_variant(variants, compile_sm90, route, causal):
+    """The `_det` variants cross-compile; the semaphore protocol is in the PTX."""
+    import re
+
+    v = next(v for v in variants if v.route == route and v.param("causal") == causal and _is_det(v))
+    ptx = compile_sm90(v)
+    assert "ld.global.acquire.gpu.b32" in ptx and "nanosleep.u32" in ptx  # the spin-wait
+    assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx  # publish, increment
+    assert re.search(r"bar\.sync\s+2, 256;", ptx)  # the consumers' protocol barrier
+    assert "atom.global.add.f32" in ptx or "red.global.add.f32" in ptx  # the dQ reduce-add itself
+    assert "wgmma.mma_async" in ptx
 
 
 @pytest.mark.compile

@@ -180,3 +180,16 @@ def test_attn_fwd_smem_estimate_prunes_what_the_h200_refused():
     assert "shared memory 233472 B" in pruned["attn_fwd_sm90_bf16_d128_m192n128_s2_wg3_preg_longest_first"]
     names = {v.name for v in plan.variants}
     assert "attn_fwd_sm90_fp8_token_d128_m192n128_s2_wg3_preg_longest_first" in names
+
+
+def test_deterministic_backward_needs_a_persistent_scheduler():
+    from flamia_gen.plan.feasibility import check_attn_bwd
+
+    p = dict(head_dim=128, tile_m=64, tile_n=128, stages=2, compute_warpgroups=2, p_in_registers=True,
+             intra_wg_overlap=False, causal=True, deterministic=True)
+    ok, why = check_attn_bwd(Arch.sm90, 1, dict(p, scheduler="static"))
+    assert not ok and "persistent" in why
+    assert check_attn_bwd(Arch.sm90, 1, dict(p, scheduler="longest_first"))[0]
+    plan = make_plan(load_specs(), arch="sm90", kinds=["attn_bwd"])
+    det = [v.name for v in plan.variants if "_det" in v.name]
+    assert len(det) == 4 and all("longest_first" in n for n in det)
