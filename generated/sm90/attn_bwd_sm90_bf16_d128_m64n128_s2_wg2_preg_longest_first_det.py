@@ -115,6 +115,17 @@ def _asm(ret, args, code, cons, loc, ip):
 
 
 @dsl_user_op
+def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
+    """Two fp32 reduce-adds into adjacent words (8-byte aligned) with one vector red (sm_90):
+    half the instructions and L2 sector requests of two scalar atomics; each word is still one
+    independent fp32 add, so the sums are those of the scalar form."""
+    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
+                           Float32(b).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ex2(x, *, loc=None, ip=None):
     return Float32(_asm(_T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
                         loc, ip))
@@ -744,11 +755,13 @@ class AttnBwdSm90:
         # deterministic: wait for this key tile's turn (sem == n: key tiles 0 … n − 1 have added)
         sem_ptr = mSem.iterator + (head * mSem.shape[1] + sem_col)
         self.wait_dq_turn(sem_ptr, sem_turn, tidx)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            r = tdQcdQ[i][0]
+        # accumulator elements 2j, 2j + 1 are columns c, c + 1 of one row (c even: 8-byte aligned)
+        for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+            r = tdQcdQ[2 * j][0]
             if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
-                off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[i][1]
-                cute.arch.atomic_add(mdQacc.iterator + off, acc_dQ[i] * dqf[(i // 2) % 2])
+                off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[2 * j][1]
+                f = dqf[j % 2]
+                red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)
         self.pass_dq_turn(sem_ptr, tidx)
         bufs[0] = 1 - buf
         return q_state

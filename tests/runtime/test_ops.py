@@ -525,3 +525,35 @@ def test_deterministic_flag_is_checked_and_reaches_the_backward(monkeypatch, tmp
     assert seen == {"deterministic": True}
     flamia_gen.attention(q, k, v, cu, 34).float().sum().backward()
     assert seen == {"deterministic": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_token_block_forward_op_equals_the_verified_kernel_call(route, causal):
+    """The op's own quantizer launches (token-block codes, per-token Q for mxfp8_exact, the
+    per-token K / Vᵀ copies of the diagonal tiles: runtime.attention.fp8_forward_inputs) give
+    bitwise the output of the same kernel fed by the emulator's quantization (what `verify`
+    checks against the emulator), and the exact route's earlier rows ignore a later token."""
+    from flamia_gen.runtime.attention import _pick_cached, doc_profile
+    from flamia_gen.spec import get_route
+    from flamia_gen.verify.attn_gpu import run_kernel
+
+    b = _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs()
+    o, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
+    fwd = _pick_cached(str(b.root), "attn_fwd", route, q.shape[2], causal, doc_profile(q.shape[0], cu, m))
+    o_ref, lse_ref = run_kernel(b.get(fwd["name"]), fwd, get_route(route), q, k, v, cu)
+    assert not torch.isnan(o.float()).any()
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    if causal and route == "mxfp8_exact":
+        pos = 300 + 1000 + 1 + 60  # inside the 129-token document, mid 32-token block
+        for t in (q, k, v):
+            t2 = t.clone()
+            t2[pos] = (t2[pos].float() * 1e4).to(torch.bfloat16)
+            args = {id(q): q, id(k): k, id(v): v}
+            args[id(t)] = t2
+            o2, _ = torch.ops.flamia.attention_fwd(args[id(q)], args[id(k)], args[id(v)], cu, m, causal, route, None)
+            keep = torch.ones(o.shape[0], dtype=torch.bool, device=o.device)
+            keep[pos:300 + 1000 + 1 + 129] = False
+            assert torch.equal(o2[keep], o[keep])
