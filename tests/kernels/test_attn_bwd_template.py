@@ -120,7 +120,7 @@ def test_deterministic_render_waits_on_the_key_tile_index(variants):
         assert "sem_ptr = mSem.iterator + (head * mSem.shape[1] + sem_col)" in src
         # wait → adds → pass, in this order, around the dQ reduce-add
         i_wait = src.index("self.wait_dq_turn(sem_ptr, sem_turn, tidx)")
-        i_add = src.index("cute.arch.atomic_add(mdQacc.iterator + off")
+        i_add = src.index("red_add_v2_f32(mdQacc.iterator + off")
         i_pass = src.index("self.pass_dq_turn(sem_ptr, tidx)")
         assert i_wait < i_add < i_pass
 
