@@ -48,10 +48,20 @@ CONSUMER_REGS_BY_WG = {1: 240, 2: 240, 3: 160}
 WGMMA_M = 64  # each consumer warpgroup owns 64 query rows (FA3)
 
 
-def attn_smem_bytes(params: dict, elem_bytes: int) -> int:
+def qk_smem_bytes(arch: Arch, params: dict, elem_bytes: int) -> int:
+    """Bytes per Q / K element in the forward's shared memory: sm90 has no FP4 MMA, so the
+    NVFP4 Q, K of nvfp4_mixed arrive dequantized to BF16 (2 bytes) while V stays E4M3."""
+    if arch is Arch.sm90 and params.get("q_fmt") == "e2m1":
+        return 2
+    return elem_bytes
+
+
+def attn_smem_bytes(params: dict, elem_bytes: int, qk_bytes: int | None = None) -> int:
+    """`elem_bytes`: V (and P) element size; `qk_bytes`: Q and K's (default the same)."""
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
-    q = m * d * elem_bytes
-    kv = st * 2 * n * d * elem_bytes
+    qk_bytes = elem_bytes if qk_bytes is None else qk_bytes
+    q = m * d * qk_bytes
+    kv = st * n * d * (qk_bytes + elem_bytes)
     o = m * d * 2  # BF16 epilogue staging
     p = 0 if params["p_in_registers"] else m * n * elem_bytes
     barriers = 1024
@@ -84,7 +94,7 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     budget = CONSUMER_REGS_BY_WG[wg]
     if live > budget:
         return False, f"~{live} live registers per consumer thread > {budget} ({wg} consumer warpgroups)"
-    smem = attn_smem_bytes(params, elem_bytes)
+    smem = attn_smem_bytes(params, elem_bytes, qk_smem_bytes(arch, params, elem_bytes))
     if smem > SMEM_LIMIT[arch]:
         return False, f"shared memory {smem} B > {SMEM_LIMIT[arch]} B"
     return True, ""

@@ -20,6 +20,7 @@ import torch
 from ..dispatch import DocProfile, Dispatcher
 from .attn_fwd import _is_fp8_spec, kernel_key_align, make_work_list, run_attn_fwd
 from .bundle import Bundle, load_bundle
+from .nvfp4 import mixed_qk_inputs
 from .quant import run_quantizer
 
 ARCH = "sm90"
@@ -213,16 +214,23 @@ def token_copy_use(root: str, route: str, operand: str, d: int) -> tuple[str, st
 def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile) -> dict:
     """The fused quantizer launches an FP8 forward variant needs, as run_attn_fwd keyword arguments:
     Q, K, Vᵀ codes and per-token exponents of the route, Q per token where the route keeps O_i
-    causal (rows_q), and the per-token K / Vᵀ copies its diagonal tiles read (diag_k, diag_v)."""
+    causal (rows_q), and the per-token K / Vᵀ copies its diagonal tiles read (diag_k, diag_v).
+    NVFP4 Q, K (nvfp4_mixed, q_fmt e2m1): their quantizer launches' codes and block scales
+    dequantized to BF16 on the device, tensor scales as `qk_tensor_scale` (runtime.nvfp4)."""
     root, D, p = str(b.root), q.shape[2], fwd["params"]
 
     def launch(x, r, op):
         return _quantize(b, _pick_cached(root, "quant", r, D, None, profile, op), x, cu)
 
-    qq = launch(q, *(token_copy_use(root, route, "q", D) if p.get("rows_q") else (route, "q")))
-    kq, vq = launch(k, route, "k"), launch(v, route, "v")
-    ins = dict(q=qq["codes"], k=kq["codes"], v=vq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
-               k_scale=per_token_scales(kq["scales"], k), v_scale=per_token_scales(vq["scales"], v))
+    if p.get("q_fmt") == "e2m1":
+        ins = mixed_qk_inputs(launch(q, route, "q"), launch(k, route, "k"))
+        vq = launch(v, route, "v")
+        ins.update(v=vq["codes_t"], v_scale=per_token_scales(vq["scales"], v))
+    else:
+        qq = launch(q, *(token_copy_use(root, route, "q", D) if p.get("rows_q") else (route, "q")))
+        kq, vq = launch(k, route, "k"), launch(v, route, "v")
+        ins = dict(q=qq["codes"], k=kq["codes"], v=vq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
+                   k_scale=per_token_scales(kq["scales"], k), v_scale=per_token_scales(vq["scales"], v))
     diag = {}
     if p.get("diag_k"):
         kt = launch(k, *token_copy_use(root, route, "k", D))

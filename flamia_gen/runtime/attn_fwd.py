@@ -81,8 +81,19 @@ def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
 
 
+def fwd_mode(args_spec: Sequence[dict]) -> str:
+    """What a forward variant takes, from its ARGS: "fp8" (Q, K, Vᵀ E4M3 codes + per-token
+    exponents), "qk_bf16" (nvfp4_mixed on sm90: Q, K BF16 NVFP4 code·block-scale, their tensor
+    scales as `qk_tensor_scale`, Vᵀ E4M3 as fp8) or "bf16"."""
+    names = {a["name"] for a in args_spec}
+    if "v_t" not in names:
+        return "bf16"
+    return "qk_bf16" if "qk_tensor_scale" in names else "fp8"
+
+
 def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
-    return any(a["name"] == "v_t" for a in args_spec)
+    """The variant's PV side is FP8 (Vᵀ codes, per-key V exponents): fp8 and qk_bf16 modes."""
+    return fwd_mode(args_spec) != "bf16"
 
 
 def k_rows_for_tma(k: torch.Tensor, t_pad: int) -> torch.Tensor:
@@ -136,19 +147,23 @@ def _check_common(cu_seqlens, T: int, HQ: int, D: int, dev) -> None:
 
 
 def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_seqlens,
-                     fp8: bool, head_dim: int | None = None) -> tuple[int, int, int, int]:
+                     fp8: bool, head_dim: int | None = None, qk_bf16: bool = False,
+                     qk_tensor_scale=None) -> tuple[int, int, int, int]:
     """Validate the forward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
     argument. fp8: q, k codes (T, H, D) uint8/float8_e4m3fn, v = v_t codes (HKV, D, T_PAD),
-    scales uint8 (T, H); bf16: q, k, v BF16 (T, H, D). cu_seqlens values are checked only on
-    the CPU (checking them on a GPU would synchronise)."""
+    scales uint8 (T, H); fp8 with qk_bf16 (nvfp4_mixed): q, k BF16 (T, H, D), no q/k scales,
+    `qk_tensor_scale` fp32 (1,), v_t and v_scale as fp8; bf16: q, k, v BF16 (T, H, D).
+    cu_seqlens values are checked only on the CPU (checking them on a GPU would synchronise)."""
     dev = q.device if isinstance(q, torch.Tensor) else None
+    _need(fp8 or not qk_bf16, "q", "qk_bf16 (BF16 Q, K with an FP8 PV side) needs fp8=True")
     code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
-    _check_tensor(q, "q", code, 3, dev)
+    qk_code = (torch.bfloat16,) if qk_bf16 else code
+    _check_tensor(q, "q", qk_code, 3, dev)
     T, HQ, D = q.shape
     _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim on sm90: D={D} (supported: {SUPPORTED_HEAD_DIMS})")
     if head_dim is not None:
         _need(D == head_dim, "q", f"head dim {D} != {head_dim}, the head dim this kernel was compiled for")
-    _check_tensor(k, "k", code, 3, dev)
+    _check_tensor(k, "k", qk_code, 3, dev)
     _need(k.shape[0] == T and k.shape[2] == D, "k", f"shape {tuple(k.shape)} does not match q (T={T}, D={D})")
     HKV = k.shape[1]
     _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
@@ -157,14 +172,23 @@ def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_se
         _need(v.shape[0] == HKV and v.shape[1] == D, "v_t", f"shape {tuple(v.shape)}, expected (HKV={HKV}, D={D}, T_PAD)")
         _need(v.shape[2] >= T and v.shape[2] % 16 == 0, "v_t",
               f"T_PAD={v.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
-        for t, name, h in ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV)):
+        scales = ((v_scale, "v_scale", HKV),) if qk_bf16 else \
+            ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV))
+        for t, name, h in scales:
             _check_tensor(t, name, (torch.uint8,), 2, dev)
             _need(tuple(t.shape) == (T, h), name, f"shape {tuple(t.shape)}, expected (T={T}, {h})")
+        if qk_bf16:
+            for t, name in ((q_scale, "q_scale"), (k_scale, "k_scale")):
+                _need(t is None, name, "nvfp4_mixed takes no per-token Q/K scales (its block scales are in the BF16 "
+                                       "values, its tensor scales in qk_tensor_scale)")
+            _check_tensor(qk_tensor_scale, "qk_tensor_scale", (torch.float32,), (1,), dev)
     else:
         _check_tensor(v, "v", code, 3, dev)
         _need(tuple(v.shape) == (T, HKV, D), "v", f"shape {tuple(v.shape)}, expected {(T, HKV, D)}")
         for t, name in ((q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")):
             _need(t is None, name, "the bf16 route takes no scales")
+    if not qk_bf16:
+        _need(qk_tensor_scale is None, "qk_tensor_scale", "only the nvfp4_mixed (qk_bf16) variants take it")
     _check_common(cu_seqlens, T, HQ, D, dev)
     return T, HQ, HKV, D
 
@@ -197,18 +221,23 @@ def check_diag_inputs(diag: dict, params: dict, T: int, HKV: int, D: int, t_pad:
 
 def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
                  cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
-                 work: torch.Tensor | None = None, diag: dict | None = None):
+                 work: torch.Tensor | None = None, diag: dict | None = None,
+                 qk_tensor_scale: torch.Tensor | None = None):
     """Call a compiled attention forward; returns (o BF16 (T, HQ, D), lse fp32 (HQ, T)).
 
     `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS (tile_m,
     tile_n, causal, head_dim). fp8 routes: q, k codes, v = v_t codes (HKV, D, T_PAD) and the
-    three uint8 scale tensors; bf16: q, k, v. `diag`: the per-token copies the token-block routes'
-    diagonal tiles read (`diag_inputs_needed`: k_diag, k_diag_scale, v_t_diag, v_diag_scale).
-    `poison` fills the outputs with NaN first, so a row the kernel never writes shows up. `work`
-    overrides the work list (tests)."""
-    fp8 = _is_fp8_spec(args_spec)
+    three uint8 scale tensors; nvfp4_mixed (`fwd_mode` "qk_bf16"): q, k BF16 code·block-scale
+    (runtime.nvfp4), v = v_t codes, v_scale and `qk_tensor_scale` (fp32 (1,) = ts_q·ts_k, on the
+    device: the kernel folds it into the softmax scale); bf16: q, k, v. `diag`: the per-token
+    copies the token-block routes' diagonal tiles read (`diag_inputs_needed`: k_diag, k_diag_scale,
+    v_t_diag, v_diag_scale). `poison` fills the outputs with NaN first, so a row the kernel never
+    writes shows up. `work` overrides the work list (tests)."""
+    mode = fwd_mode(args_spec)
+    fp8 = mode != "bf16"
     T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
-                                     head_dim=params.get("head_dim"))
+                                     head_dim=params.get("head_dim"), qk_bf16=mode == "qk_bf16",
+                                     qk_tensor_scale=qk_tensor_scale)
     diag = dict(diag or {})
     if fp8:
         check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
@@ -228,7 +257,10 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     if work is None:
         work = make_work_list(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
     by_name = {"cu_seqlens": cu_seqlens, "work": work, "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
-    if fp8:
+    if mode == "qk_bf16":
+        by_name.update(q=q, k=k, v_t=_as_e4m3(v), v_scale=v_scale, qk_tensor_scale=qk_tensor_scale)
+        by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
+    elif fp8:
         if params.get("k_row_perm"):
             k = k_rows_for_tma(k, v.shape[2])
         by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
@@ -246,4 +278,5 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
 
 
 __all__ = ["make_work_list", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
+           "fwd_mode",
            "SUPPORTED_HEAD_DIMS", "DIAG_INPUTS", "diag_inputs_needed", "check_diag_inputs"]

@@ -19,6 +19,8 @@ from ..numerics.reference import attention as ref_attention
 from ..bench.flops import attention_flops
 from ..runtime.attention import per_token_scales
 from ..runtime.attn_fwd import kernel_key_align, make_work_list, run_attn_fwd
+from ..runtime.nvfp4 import mixed_qk_inputs
+from .cpu import expected_o_cosine
 from ..spec import get_route
 from ..spec.enums import Granularity
 
@@ -29,14 +31,16 @@ from ..spec.enums import Granularity
 # tensor cores' truncated score sums move P̂ (3 mantissa bits) across E4M3 ties; with the
 # model 0.999998–0.9999996 and 0.99997 (outliers: near-tie roundings the model misses).
 EMULATOR_COSINE = 0.99999
-FP32_COSINE_8BIT = 0.998
+FP32_COSINE_8BIT = 0.998  # = verify.cpu's default floor; nvfp4_mixed has its own there (0.99)
 
 
 def emulator_options(params: dict) -> dict:
     """The forward kernel's tiling and MMA model, as the emulator takes them: FP8 kernels start
     key tiles at doc_start rounded down to 16 (KEY_ALIGN: Vᵀ TMA alignment) and sum products
-    on FP8 tensor cores."""
-    fp8 = params.get("q_fmt") in ("e4m3", "e5m2")
+    on FP8 tensor cores. nvfp4_mixed (q_fmt e2m1) has the FP8 PV side (Vᵀ E4M3: KEY_ALIGN 16);
+    its QKᵀ is a BF16 wgmma, which the emulator's model leaves exact (it applies the FP8
+    model only to products of FP8 codes: numerics.reference_route.make_plan)."""
+    fp8 = params.get("q_fmt") in ("e4m3", "e5m2", "e2m1")
     return dict(tile_m=params["tile_m"], tile_n=params["tile_n"], key_align=kernel_key_align(fp8),
                 mma="sm90_fp8" if fp8 else "exact")
 
@@ -83,7 +87,8 @@ def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
     """What the fused quantizer launches hand the forward variant with PARAMS `params` (made here
     by the emulator's quantizer, which the quantizer kernels are bitwise equal to): Q per token
     where `rows_q`, the per-token K / Vᵀ copies of the diagonal tiles where `diag_k` / `diag_v`
-    (as runtime.attention.fp8_forward_inputs launches them)."""
+    (as runtime.attention.fp8_forward_inputs launches them). NVFP4 Q, K (nvfp4_mixed): BF16
+    code·block-scale and qk_tensor_scale (runtime.nvfp4.mixed_qk_inputs)."""
     ops = route.operands
     if not ops.q.quantized:
         return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous())
@@ -92,11 +97,16 @@ def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
     def tok(oq):
         return oq.model_copy(update={"granularity": Granularity.token})
 
-    qq = quantize(q, tok(ops.q) if p.get("rows_q") else ops.q, cu)
-    kq = quantize(k, ops.k, cu)
     vq = quantize(v, ops.v, cu)
-    ins = dict(q=qq.codes, q_scale=per_token_scales(qq.scales, q), k=kq.codes, k_scale=per_token_scales(kq.scales, k),
-               v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
+    if ops.q.granularity is Granularity.nvfp4:
+        qq, kq = quantize(q, ops.q, cu), quantize(k, ops.k, cu)
+        ins = mixed_qk_inputs(*(dict(codes=x.codes, scales=x.scales, tensor_scale=x.tensor_scale) for x in (qq, kq)))
+        ins.update(v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
+    else:
+        qq = quantize(q, tok(ops.q) if p.get("rows_q") else ops.q, cu)
+        kq = quantize(k, ops.k, cu)
+        ins = dict(q=qq.codes, q_scale=per_token_scales(qq.scales, q), k=kq.codes,
+                   k_scale=per_token_scales(kq.scales, k), v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
     diag = {}
     if p.get("diag_k"):
         kt = quantize(k, tok(ops.k), cu)
@@ -166,7 +176,7 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         lse_err = float(((lse_k[fin] - emu_lse[fin]).abs() / emu_lse[fin].abs().clamp_min(1.0)).max()) \
             if fin.any() else 0.0
         lse_inf_ok = bool((torch.isinf(lse_k) == torch.isinf(emu_lse)).all())
-        need_ref = FP32_COSINE_8BIT if route.quantized else 0.99999
+        need_ref = expected_o_cosine(route.name) if route.quantized else 0.99999
         ok = nan == 0 and c_emu >= EMULATOR_COSINE and (kind == "outlier" or c_ref >= need_ref) and lse_err < 2e-3 \
             and lse_inf_ok
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
