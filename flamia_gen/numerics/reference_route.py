@@ -5,8 +5,11 @@ The emulator is the source of truth the generated kernels are checked against (c
 reference, tile by tile, including the forward kernel's key-tile order: P̂ of a key tile is
 rounded under the running (integer) max of the tiles visited so far, as the kernel does, which
 decides the result where P̂ falls in the format's subnormal range (outlier rows). It does not
-reproduce the fp32 summation order, nor the tensor cores' accumulation of the scores, which
-decides P̂ roundings that fall within ~2^-12 of a tie (see `verify.attn_gpu`).
+reproduce the fp32 summation order. With `mma="exact"` (the default) products are exact fp32 sums;
+`mma="sm90_fp8"` puts every product of FP8 codes under the Hopper tensor-core accumulation model
+(numerics.mma), in the kernels' k-block orders: QKᵀ and P̂V in the forward, and in the backward QKᵀ,
+dO·Vᵀ, and dV, dK, dQ per key-tile unit with the kernel's running references
+(`_backward_pass_mma`; docs/numerics.md §2.3.1, §2.4.1).
 
 Representations. Every input operand X is held as `Rep(value, codes, exp)` with
 `value = codes · 2**exp` exactly: `exp` is the per-token fold exponent (the token's own or its
@@ -171,6 +174,10 @@ class Plan:
     key_align: int = 1  # forward kernel's key tiles start at doc_start rounded down to this
     mma_qk: bool = False  # QKᵀ under the sm90 FP8 tensor-core accumulation model (numerics.mma)
     mma_pv: bool = False  # P̂V likewise, key tiles in the kernel's visit order
+    mma_dp: bool = False  # backward dP = dO·V̂ᵀ likewise (contraction over D)
+    mma_dv: bool = False  # dV += Pᵀ·dO likewise, per key-tile unit over its query tiles (_backward_pass_mma)
+    mma_dk: bool = False  # dK += dSᵀ·Q likewise
+    mma_dq: bool = False  # dQ = dS·K likewise, per (query tile, key tile); the cross-tile sum stays fp32
     exp_poly_quarters: int = 0  # route exp_approx: columns whose exp2 is the FMA polynomial (numerics.exp2)
 
 
@@ -182,6 +189,11 @@ def _needs_32(route: Route) -> bool:
 def _fp8_codes(spec: OperandQuant) -> bool:
     """Rep.codes of this operand are FP8 code values (what an FP8 wgmma multiplies)."""
     return spec.quantized and spec.format in (Format.e4m3, Format.e5m2) and spec.granularity in _FOLDABLE
+
+
+def _fp8_format(spec: OperandQuant) -> bool:
+    """A quantized P or dS whose codes are FP8 (E4M3/E5M2) values: the A operand of an FP8 wgmma."""
+    return spec.quantized and spec.format in (Format.e4m3, Format.e5m2)
 
 
 def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
@@ -207,6 +219,10 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         chunk=max(tile_m, (chunk // tile_m) * tile_m), key_align=key_align,
         mma_qk=fp8_mma and _fp8_codes(ops.q) and _fp8_codes(ops.k),
         mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized,
+        mma_dp=fp8_mma and _fp8_codes(ops.do) and _fp8_codes(ops.v),
+        mma_dv=fp8_mma and _fp8_format(ops.p) and _fp8_codes(ops.do),
+        mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)),
+        mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)),
         exp_poly_quarters=poly_quarters(route.exp_approx.value))
 
 
@@ -292,17 +308,37 @@ def _split_matmul(w, x, x_diag, diag):
     return torch.where(diag, zero, w) @ x + torch.where(diag, w, zero) @ x_diag
 
 
-def _qk(plan: Plan, qr: Rep, kr: Rep) -> torch.Tensor:
+def _fp8_matmul_visible(a: torch.Tensor, b: torch.Tensor, visible: torch.Tensor | None, rows: int = 64):
+    """fp8_matmul(a (…, M, K), b (…, K, N)) where `visible` (M, N) is True; elsewhere 0 or the model's
+    value (callers mask those entries). Each block of `rows` rows is computed on the key prefix that
+    holds its visible keys (a causal mask's upper triangle is skipped); every computed entry is the
+    full product's (the model is per element)."""
+    if visible is None:
+        return fp8_matmul(a, b)
+    M, N = visible.shape
+    out = torch.zeros(*a.shape[:-1], N, dtype=torch.float32, device=a.device)
+    last = torch.where(visible, torch.arange(1, N + 1, device=a.device), 0)
+    for r0 in range(0, M, rows):
+        kmax = int(last[r0:r0 + rows].max()) if N else 0
+        if kmax:
+            out[..., r0:r0 + rows, :kmax] = fp8_matmul(a[..., r0:r0 + rows, :], b[..., :kmax])
+    return out
+
+
+def _qk(plan: Plan, qr: Rep, kr: Rep, visible: torch.Tensor | None = None) -> torch.Tensor:
     if not plan.mma_qk:
         return qr.value @ kr.value.transpose(-1, -2)
-    return fp8_matmul(qr.codes, kr.codes.transpose(-1, -2)) * torch.exp2(qr.exp[..., None] + kr.exp[:, None, :])
+    return (_fp8_matmul_visible(qr.codes, kr.codes.transpose(-1, -2), visible)
+            * torch.exp2(qr.exp[..., None] + kr.exp[:, None, :]))
 
 
-def scores_log2(plan: Plan, qr: Rep, kd: Rep, kt: Rep | None, g: Geometry):
-    """x = scale·log2(e)·Q̂K̂ᵀ (fp32), -inf where masked; K per key on diagonal tiles."""
-    s = _qk(plan, qr, kd)
+def scores_log2(plan: Plan, qr: Rep, kd: Rep, kt: Rep | None, g: Geometry, visible_only: bool = False):
+    """x = scale·log2(e)·Q̂K̂ᵀ (fp32), -inf where masked; K per key on diagonal tiles. `visible_only`:
+    under the MMA model, skip the products of masked row blocks (the backward; same values)."""
+    vis = g.visible if visible_only else None
+    s = _qk(plan, qr, kd, vis)
     if kt is not None and g.diag is not None:
-        s = torch.where(g.diag, _qk(plan, qr, kt), s)
+        s = torch.where(g.diag, _qk(plan, qr, kt, vis), s)
     x = s * (plan.scale * LOG2E)
     return x.masked_fill(~g.visible, float("-inf"))
 
@@ -470,14 +506,24 @@ class _ChunkGrad:
     p: torch.Tensor  # (H, M, N) P = exp2(x − LSE₂)
 
 
-def _grad_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, do_r, oc, lse2, g: Geometry) -> _ChunkGrad:
+def _dp(plan: Plan, do_r: Rep, vr: Rep, visible: torch.Tensor) -> torch.Tensor:
+    """dP = dO·V̂ᵀ (H, M, N): exact fp32 sums, or the FP8 wgmma of the codes under the model with
+    the two per-token exponents applied after (the kernel's dP_acc·2^ev·2^edo; masked entries are
+    not computed: dS is 0 there)."""
+    if not plan.mma_dp:
+        return do_r.value @ vr.value.transpose(-1, -2)
+    return (_fp8_matmul_visible(do_r.codes, vr.codes.transpose(-1, -2), visible)
+            * torch.exp2(do_r.exp[..., None] + vr.exp[:, None, :]))
+
+
+def _grad_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, do_r: Rep, oc, lse2, g: Geometry) -> _ChunkGrad:
     """Recompute P from the forward's operands and decisions; dS = P ∘ (dO·V̂ᵀ − D)."""
-    x = scores_log2(plan, qr, kd, kt, g)
+    x = scores_log2(plan, qr, kd, kt, g, visible_only=True)
     p = torch.exp2(x - lse2[..., None])
-    dp = do_r @ vd.value.transpose(-1, -2)
+    dp = _dp(plan, do_r, vd, g.visible)
     if vt is not None and g.diag is not None:
-        dp = torch.where(g.diag, do_r @ vt.value.transpose(-1, -2), dp)
-    dvec = (do_r * oc).sum(dim=-1)  # D from the same dO representation as dP (FLAMIA §3.3)
+        dp = torch.where(g.diag, _dp(plan, do_r, vt, g.visible), dp)
+    dvec = (do_r.value * oc).sum(dim=-1)  # D from the same dO representation as dP (FLAMIA §3.3)
     ds = torch.where(g.visible, p * (dp - dvec[..., None]), torch.zeros_like(p))
     return _ChunkGrad(ds, p)
 
@@ -519,9 +565,13 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
                    scale=None, mma="exact", key_align=1):
-    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `mma="sm90_fp8"` recomputes the
-    scores QKᵀ under the FP8 tensor-core model (the other products stay exact sums). `tile_m`,
-    `tile_n`, `key_align`: the *forward's* tiling, whose diagonal decisions the backward repeats."""
+    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `tile_m`, `tile_n`, `key_align`: the
+    *forward's* tiling, whose diagonal decisions the backward repeats. `mma="sm90_fp8"`: every product
+    whose operands are FP8 codes (QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) under the FP8 tensor-core model, as
+    the sm90 backward kernel forms them (`_backward_pass_mma`); the same `tile_m`, `tile_n`, `key_align`
+    are then also the backward kernel's tiles (sm90 FP8: 64, 128, 16; routes with diagonal decisions
+    have no backward kernel yet, one tiling serves both). Routes without FP8 products (bf16) give the
+    exact result."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align)
     bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
@@ -531,6 +581,8 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
     ds = route.operands.ds
     if ds.quantized and ds.granularity is Granularity.tensor:
         tensor_amax = _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, None, amax_only=True)
+    if plan.mma_dv or plan.mma_dk or plan.mma_dq:
+        return _backward_pass_mma(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
     return _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
 
 
@@ -562,7 +614,7 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
             n = b if plan.causal else L
             g = geometry(plan, a, b, n, L, dev, s % plan.key_align)
             cg = _grad_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
-                             do_r.value[:, a:b], od[:, a:b], ld[:, a:b], g)
+                             _rows(do_r, a, b), od[:, a:b], ld[:, a:b], g)
             ds_q, ds_k = _folds(plan, cg, _cut(kq, n), _cut(kqt, n), qk.exp[:, a:b], g)
             if amax_only:
                 amax = torch.maximum(amax, torch.stack([ds_q.abs().amax(), ds_k.abs().amax()]))
@@ -578,6 +630,215 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
     if amax_only:
         return amax
     return dq, _sum_groups(dk, Hkv, group), _sum_groups(dv, Hkv, group)
+
+
+# ---- backward under the sm90 FP8 tensor-core model: the kernel's tiles, references and orders
+
+
+def _pow2i(e: torch.Tensor) -> torch.Tensor:
+    """The kernel's `pow2i` of an integer-valued fp32 tensor: 2^e, 0 for e ≤ −127 (flushed), 2^127 for
+    e ≥ 127; NaN stays NaN."""
+    return torch.where(e <= -127, torch.zeros_like(e), torch.exp2(e.clamp(max=127.0)))
+
+
+def _ds_exponents(plan: Plan, y: torch.Tensor, for_dq: bool, tensor_amax, row0: int) -> torch.Tensor:
+    """Per-element scale exponent (H, M, N) of the route's dS groups for the dQ or dK fold, from which
+    the model takes the kernel's references (a max over a tile). Groups that are the kernel's tile
+    (token dS, causal dQ scale) are taken per element: the exponent rule is monotone, so the tile
+    max of element exponents is the exponent of the tile's amax. square_32 blocks are document-aligned
+    (`row0`: doc-local row of y's first row); tensor and static scales are one constant; an unquantized
+    dS has exponent 0."""
+    ds = plan.route.operands.ds
+    if not ds.quantized:
+        return torch.zeros_like(y)
+    if (for_dq and plan.causal_dq) or ds.granularity is Granularity.token:
+        return scale_exponent(y.abs(), ds.format, ds.exponent_rule)
+    if ds.granularity is Granularity.square_32:
+        pad = row0 % ds.block
+        a = group_amax(torch.nn.functional.pad(y, (0, 0, pad, 0)), ds.block, ds.block)[:, pad:]
+        return scale_exponent(a, ds.format, ds.exponent_rule)
+    if ds.granularity is Granularity.tensor:
+        return scale_exponent(tensor_amax, ds.format, ds.exponent_rule).expand_as(y)
+    if ds.granularity is Granularity.static:
+        return torch.full_like(y, -float(ds.static_exponent))
+    raise ValueError(f"ds.granularity={ds.granularity.value!r} is not supported by the emulator")
+
+
+def _round_codes(y: torch.Tensor, spec: OperandQuant) -> torch.Tensor:
+    return round_to_format(y, spec.format) if spec.quantized else y
+
+
+def _visited_key_tiles(plan: Plan, m: int, delta: int, n_kt: int) -> int:
+    """How many key tiles (a prefix 0 … c − 1) visit query tile m: the template's `bwd_tiling`, causal
+    m_lo(n) = max(n·tile_n, delta) // tile_m ≤ m (non-decreasing in n), non-causal every tile."""
+    if not plan.causal:
+        return n_kt
+    end = (m + 1) * plan.tile_m  # m_lo(n) ≤ m ⇔ max(n·tile_n, delta) < end
+    if delta >= end:
+        return 0
+    return min(n_kt, -(-end // plan.tile_n))
+
+
+def _tile_max_exponent(plan: Plan, exp: torch.Tensor, start: int, delta: int, n_qt: int) -> torch.Tensor:
+    """(H, n_qt): the largest fold exponent over each query tile's tile_m *global* tokens (exp is
+    (T, H)), as the kernel reads them: the tile starts `delta` tokens before the document and may hold
+    tokens of the neighbouring documents; tokens ≥ T read scale code 0 (−127), a NaN scale 128."""
+    T = exp.shape[0]
+    tok = start - delta + torch.arange(n_qt * plan.tile_m, device=exp.device)
+    ok = (tok >= 0) & (tok < T)
+    e = exp[tok.clamp(0, T - 1)]
+    e = torch.where(torch.isnan(e), torch.full_like(e, 128.0), e)
+    e = torch.where(ok[:, None], e, torch.full_like(e, -127.0))
+    return e.view(n_qt, plan.tile_m, -1).amax(dim=1).transpose(0, 1)
+
+
+def _mm(model: bool, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """acc + a @ b under the sm90_fp8 model, or in plain fp32 when the product is not an FP8 one."""
+    if model:
+        return fp8_matmul(a, b, acc)
+    out = a @ b
+    return out if acc is None else acc + out
+
+
+def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax):
+    """The backward as the sm90 kernel forms its FP8 products (templates/sm90/attn_bwd.py.j2), under the
+    sm90_fp8 accumulation model (numerics.mma); docs/numerics.md §2.4.1.
+
+    Tiles: key tile n holds doc-local keys n·tile_n − δ + [0, tile_n), query tile m rows m·tile_m − δ +
+    [0, tile_m), δ = doc_start mod key_align (16 for the FP8 kernel). A unit (document, key tile, KV
+    head) visits the KV head's query heads in order and, for each, its query tiles m_lo … m_hi − 1 in
+    increasing order; each visit contracts over the tile's tile_m query rows (k-blocks of 32 rows):
+    - dV += Pᵀ·dO: A = Pᵀ codes fmt(P·2^(s + edo_i − R)) (s: P's static exponent, R: the unit's running
+      max of each visited tile's largest dO exponent; a moved R rescales the accumulator by 2^(R_old −
+      R_new) first), B = dO codes; dV = acc·2^(R − s).
+    - dK += dSᵀ·Q: A = dSᵀ codes fmt(dS·2^eq_i·2^−E_j) (E_j: the key's running max of its per-tile dS
+      scale exponents; a moved E rescales that accumulator row), B = Q codes; dK = acc·2^E·scale.
+    - dQ: per (query tile, key tile) A = dS codes fmt(dS·2^ek_j·2^−e_i) (e_i: scale exponent of row i
+      over the key tile), B = K codes, k-blocks of 32 keys; partial acc·2^e·scale, the key tiles'
+      partials added in fp32 in increasing key-tile order.
+    dS, P come from `_grad_chunk` (scores and dP under the model too); chunks of query tiles follow
+    the kernel's tiles. Products whose operands are not FP8 codes (plan.mma_dv/dk/dq off) use the same
+    structure with exact fp32 sums."""
+    T, Hq, D = o32.shape
+    Hkv = Hq // group
+    dev = o32.device
+    tm, tn = plan.tile_m, plan.tile_n
+    ops = plan.route.operands
+    s_p = float(ops.p.static_exponent) if ops.p.quantized else 0.0
+    if ops.p.quantized and ops.p.granularity is not Granularity.static:
+        raise ValueError(f"p.granularity={ops.p.granularity.value!r}: the emulator supports 'static' only")
+    amax_q = None if tensor_amax is None else tensor_amax[0]
+    amax_k = None if tensor_amax is None else tensor_amax[1]
+    f32 = dict(dtype=torch.float32, device=dev)
+    dq = torch.zeros(T, Hq, D, **f32)
+    dk = torch.zeros(T, Hkv, D, **f32)
+    dv = torch.zeros(T, Hkv, D, **f32)
+    f = bo.fwd
+    kvh = torch.arange(Hkv, device=dev)
+    for s, e in doc_ranges(cu):
+        L = e - s
+        delta = s % plan.key_align
+        n_kt, n_qt = -(-(L + delta) // tn), -(-(L + delta) // tm)
+        kd, vd = f.ks.doc(s, e, kvh), f.v.doc(s, e, kvh)
+        kt = f.ks_tok.doc(s, e, kvh) if f.ks_tok else None
+        vt = f.v_tok.doc(s, e, kvh) if f.v_tok else None
+        kq = bo.kq.doc(s, e, kvh)
+        kqt = bo.kq_tok.doc(s, e, kvh) if bo.kq_tok else None
+        # the units' registers: accumulators and running references per (KV head, key tile)
+        acc_dv = torch.zeros(Hkv, n_kt, tn, D, **f32)
+        acc_dk = torch.zeros(Hkv, n_kt, tn, D, **f32)
+        ref_dv = torch.full((Hkv, n_kt), -127.0, **f32)
+        ref_dk = torch.full((Hkv, n_kt * tn), -127.0, **f32)
+        rows = chunk_rows(plan.chunk, Hkv, L, tm)
+        for hh in range(group):  # a unit visits its KV head's query heads in order
+            qh = kvh * group + hh
+            qd = f.qs.doc(s, e, qh)
+            do_r, do_v, qk = bo.do_rows.doc(s, e, qh), bo.do_dv.doc(s, e, qh), bo.qk.doc(s, e, qh)
+            od, ld = o32[s:e, qh].transpose(0, 1), lse2[s:e, qh].transpose(0, 1)
+            edo_tile = _tile_max_exponent(plan, bo.do_dv.exp[:, qh], s, delta, n_qt)
+            for a0 in range(0, L + delta, rows):  # chunks of whole kernel query tiles
+                a, b = max(a0 - delta, 0), min(a0 + rows - delta, L)
+                n = b if plan.causal else L
+                g = geometry(plan, a, b, n, L, dev, delta)
+                cg = _grad_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n), _cut(vt, n),
+                                 _rows(do_r, a, b), od[:, a:b], ld[:, a:b], g)
+                kqn, kqtn = _cut(kq, n), _cut(kqt, n)
+                ds_q, ds_k = _folds(plan, cg, kqn, kqtn, qk.exp[:, a:b], g)
+                # pad to whole tiles: rows from a0 − δ, keys from −δ (zeros: masked or outside the document)
+                front = a - (a0 - delta)
+                Mp = -(-(front + b - a) // tm) * tm
+                Np = -(-(n + delta) // tn) * tn
+
+                def pad(x, value=0.0):  # (H, M, N) → (H, Mp, Np)
+                    return torch.nn.functional.pad(x, (delta, Np - n - delta, front, Mp - front - (b - a)),
+                                                   value=value)
+
+                def pad_rows(x, value=0.0):  # (H, M, D) → (H, Mp, D)
+                    return torch.nn.functional.pad(x, (0, 0, front, Mp - front - (b - a)), value=value)
+
+                def pad_keys(x):  # (H, n, D) → (H, Np, D)
+                    return torch.nn.functional.pad(x, (0, 0, delta, Np - n - delta))
+
+                p_pad = pad(cg.p)
+                edo = torch.nn.functional.pad(do_v.exp[:, a:b], (front, Mp - front - (b - a)), value=-127.0)
+                do_c, q_c = pad_rows(do_v.codes[:, a:b]), pad_rows(qk.codes[:, a:b])
+                yk, ek = pad(ds_k), pad(_ds_exponents(plan, ds_k, False, amax_k, a), -127.0)
+                yq, eq = pad(ds_q), pad(_ds_exponents(plan, ds_q, True, amax_q, a), -127.0)
+                k_c = pad_keys(kqn.codes)
+                kt_c = pad_keys(kqtn.codes) if kqtn is not None and g.diag is not None else None
+                diag = pad(g.diag.to(torch.float32)) > 0 if kt_c is not None else None
+                for mi in range(Mp // tm):
+                    m = a0 // tm + mi
+                    nh = _visited_key_tiles(plan, m, delta, n_kt)
+                    if nh == 0:
+                        continue
+                    r, kn = slice(mi * tm, (mi + 1) * tm), nh * tn
+
+                    # dV += Pᵀ·dO, the unit's reference R over its visited tiles' largest dO exponent
+                    r_new = edo_tile[:, m:m + 1]
+                    R = ref_dv[:, :nh]
+                    up = r_new > R
+                    acc_dv[:, :nh] *= torch.where(up, _pow2i(R - r_new), torch.ones_like(R))[..., None, None]
+                    R = torch.where(up, r_new.expand_as(R), R)
+                    ref_dv[:, :nh] = R
+                    pf = _pow2i(s_p + edo[:, None, r] - R[:, :, None])  # (H, nh, tm)
+                    pt = p_pad[:, r, :kn].reshape(Hkv, tm, nh, tn).permute(0, 2, 3, 1)  # (H, nh, keys, rows)
+                    a_dv = _round_codes(pt * pf[:, :, None, :], ops.p).contiguous()
+                    acc_dv[:, :nh] = _mm(plan.mma_dv, a_dv, do_c[:, None, r], acc_dv[:, :nh])
+
+                    # dK += dSᵀ·Q, per-key running reference E over the per-tile dS exponents
+                    et = ek[:, r, :kn].amax(dim=1)  # (H, kn)
+                    E = ref_dk[:, :kn]
+                    up = et > E
+                    acc_dk[:, :nh] *= torch.where(up, _pow2i(E - et), torch.ones_like(E)).view(Hkv, nh, tn, 1)
+                    E = torch.where(up, et, E)
+                    ref_dk[:, :kn] = E
+                    a_dk = _round_codes(yk[:, r, :kn] * _pow2i(-E)[:, None, :], ops.ds)
+                    a_dk = a_dk.view(Hkv, tm, nh, tn).permute(0, 2, 3, 1).contiguous()
+                    acc_dk[:, :nh] = _mm(plan.mma_dk, a_dk, q_c[:, None, r], acc_dk[:, :nh])
+
+                    # dQ partials of the visiting key tiles: per (row, key tile) exponent e, fp32 sum over tiles
+                    e_r = eq[:, r, :kn].view(Hkv, tm, nh, tn).amax(dim=-1)  # (H, tm, nh)
+                    a_dq = _round_codes(yq[:, r, :kn].view(Hkv, tm, nh, tn) * _pow2i(-e_r)[..., None], ops.ds)
+                    a_dq = a_dq.permute(0, 2, 1, 3).contiguous()  # (H, nh, rows, keys)
+                    part = _mm(plan.mma_dq, a_dq, k_c[:, :kn].view(Hkv, nh, tn, D))
+                    if kt_c is not None:  # K per key on diagonal tiles (k_fold): the row's tile decides
+                        part_d = _mm(plan.mma_dq, a_dq, kt_c[:, :kn].view(Hkv, nh, tn, D))
+                        dg = diag[r, :kn].view(tm, nh, tn).any(dim=-1).transpose(0, 1)  # (nh, rows)
+                        part = torch.where(dg[None, :, :, None], part_d, part)
+                    part = part * (_pow2i(e_r) * plan.scale).permute(0, 2, 1)[..., None]
+                    acc = part[:, 0]
+                    for j in range(1, nh):  # reduce-add of the partials, key tiles in order (exact fp32 adds)
+                        acc = acc + part[:, j]
+                    lo, hi = max(m * tm - delta, 0), min((m + 1) * tm - delta, L)
+                    dq[s + lo:s + hi, qh] = acc[:, lo - (m * tm - delta):hi - (m * tm - delta)].transpose(0, 1)
+        # epilogue: dV = acc·2^(R − s), dK = acc·2^E·scale, keys of the document
+        keys = slice(delta, delta + L)
+        dv_d = (acc_dv * _pow2i(ref_dv - s_p)[..., None, None]).view(Hkv, n_kt * tn, D)[:, keys]
+        dk_d = acc_dk.view(Hkv, n_kt * tn, D) * (_pow2i(ref_dk) * plan.scale)[..., None]
+        dv[s:e] = dv_d.transpose(0, 1)
+        dk[s:e] = dk_d[:, keys].transpose(0, 1)
+    return dq, dk, dv
 
 
 def _sum_groups(x: torch.Tensor, hkv: int, group: int) -> torch.Tensor:

@@ -323,10 +323,15 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
                                  tile_m=params["tile_m"], tile_n=params["tile_n"])
         exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs))
-        mma = emulator_options(params)["mma"]
-        if mma != "exact":  # reported beside the bound's (exact-sum) emulator: is the gap the scores' sums?
+        opts = emulator_options(params)
+        mma = opts["mma"]
+        if mma != "exact":  # reported beside the bound's (exact-sum) emulator: is the gap the tensor cores' sums?
+            # every FP8 product of the backward under the model, in the kernel's tiles (FP8 tiles start at
+            # doc_start rounded down to 16: key_align), k-block orders and running references
+            # (numerics.reference_route._backward_pass_mma; docs/numerics.md §2.4.1)
             emu_mma = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
-                                         tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma)
+                                         tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma,
+                                         key_align=opts["key_align"])
             for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_mma):
                 row[f"{name}_cos_emulator_{mma}"] = float(cosine(got.float(), e.float()))
         ok = True
