@@ -228,7 +228,7 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
                                               f"({arch}, {gpu})"))
         return
 
-    from .study import create_studies, default_storage_url, open_storage, snapshot
+    from .study import create_studies, default_storage_url, fail_orphaned_trials, is_sqlite, open_storage, snapshot
 
     url = storage or default_storage_url()
     try:
@@ -236,6 +236,11 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
         create_studies(studies, st)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--storage'") from None
+    if is_sqlite(url):
+        orphans = fail_orphaned_trials(studies, st)
+        if orphans:
+            console.print(f"{orphans} trial(s) left running by an earlier run marked failed (their variants are "
+                          "measured again)")
 
     snap = snapshot(studies, st)
     console.print(f"tuning {len(studies)} studies on {gpu} ({arch}): {snap.done}/{snap.total} trials already done; "

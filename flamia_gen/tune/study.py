@@ -19,7 +19,11 @@ first unclaimed candidate in spec order:
 Claims are thus decided one trial at a time in trial-number order: two workers never
 measure one variant, and any number of workers measures the same first `budget`
 candidates as one worker. A trial that *fails* (Ctrl-C, a dead worker found by the
-storage heartbeat) releases its claim, so a re-run measures that variant again.
+storage heartbeat) releases its claim, so a re-run measures that variant again. An embedded
+SQLite file has no heartbeat (its writer thread and the trial's writes contend for the one file
+lock: on the H200, 2026-11-29, a worker stalled >100 s after recording a measurement, and the next
+run waited on the stale claim); instead `tune` fails the trials a dead run left RUNNING when it
+starts (`fail_orphaned_trials`: one `tune` command owns a SQLite file).
 
 `budget` counts trials already in the study: a study with 3 measured variants and
 `--trials 5` measures 2 more. Failed verification → `pruned_reason` + `TrialPruned`: such
@@ -67,6 +71,24 @@ class _SQLiteConnection(sqlite3.Connection):
             pass  # another process holds the lock while switching: the mode is persistent anyway
 
 
+def is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def fail_orphaned_trials(specs: list["StudySpec"], storage) -> int:
+    """Mark FAIL every trial of these studies still RUNNING: called by `tune` on a SQLite file
+    before its workers start, when no live worker can hold one (one command owns the file), so a
+    run killed mid-trial (timeout, Ctrl-C, a hung storage write) releases its claims at once
+    instead of blocking the resume. Returns how many were failed."""
+    n = 0
+    for spec in specs:
+        study = optuna.load_study(study_name=spec.name, storage=storage, sampler=ClaimSampler())
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+    return n
+
+
 def engine_kwargs(url: str) -> dict:
     """SQLAlchemy engine arguments for a storage URL (SQLite: lock timeout, WAL; its folder made)."""
     if not url.startswith("sqlite"):
@@ -78,17 +100,18 @@ def engine_kwargs(url: str) -> dict:
 
 
 def open_storage(url: str | None = None) -> optuna.storages.RDBStorage:
-    """An RDB storage with a heartbeat (dead workers' trials are failed, releasing their
-    claims). SQLite waits up to 2 minutes for a lock instead of failing at once."""
+    """An RDB storage; a server database gets a heartbeat (dead workers' trials are failed,
+    releasing their claims), an embedded SQLite file does not (see the module note and
+    `fail_orphaned_trials`). SQLite waits up to 2 minutes for a lock instead of failing at once."""
     url = url or default_storage_url()
     kwargs = engine_kwargs(url)
+    beat = {} if is_sqlite(url) else dict(heartbeat_interval=HEARTBEAT_S, grace_period=HEARTBEAT_GRACE_S)
     try:
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S,
-                                              grace_period=HEARTBEAT_GRACE_S)
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beat)
     except Exception as e:  # bad URL, missing driver, unreachable server
         first = (str(e).splitlines() or [""])[0]
         raise ValueError(f"cannot open storage {_redact(url)!r}: {type(e).__name__}: {first}") from None
@@ -339,6 +362,6 @@ def snapshot(specs: list[StudySpec], storage) -> Snapshot:
     return Snapshot(done, total, best)
 
 
-__all__ = ["default_storage_url", "engine_kwargs", "open_storage", "ClaimSampler", "create_studies", "Claims",
-           "read_claims", "has_work",
-           "make_objective", "WorkerReport", "run_worker", "Snapshot", "measured_trials", "snapshot", "study_best"]
+__all__ = ["default_storage_url", "engine_kwargs", "open_storage", "is_sqlite", "fail_orphaned_trials",
+           "ClaimSampler", "create_studies", "Claims", "read_claims", "has_work", "make_objective", "WorkerReport",
+           "run_worker", "Snapshot", "measured_trials", "snapshot", "study_best"]

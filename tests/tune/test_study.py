@@ -186,3 +186,26 @@ def test_dead_workers_claim_is_released_by_the_heartbeat(storage_url, tmp_path):
     rep = run_worker([spec], st, FakeRunner(log=log))
     assert rep.measured == 2 and [v for _, v, _ in read_log(log)] == ["v0", "v1"]
     assert _study(st, spec).get_trials()[0].state == optuna.trial.TrialState.FAIL
+
+
+def test_sqlite_storage_has_no_heartbeat_and_orphans_are_failed_at_start(storage_url, tmp_path):
+    """H200, 2026-11-29: a tuning run stalled after a trial had written its measurement, was
+    killed, and the next run waited on the claim that RUNNING trial still held. On SQLite (no
+    heartbeat) `fail_orphaned_trials` releases such claims before the workers start."""
+    from flamia_gen.tune.study import fail_orphaned_trials, is_sqlite
+
+    assert is_sqlite(storage_url)
+    st = open_storage(storage_url)
+    assert st.heartbeat_interval is None
+    spec = synth_spec(n=2)
+    create_studies([spec], st)
+    dead = _study(st, spec).ask()
+    dead.set_user_attr("variant", "v0")  # claimed, measured, then the process was killed
+    dead.set_user_attr("measurement", {"ok": True, "median_ms": 1.0})
+    assert fail_orphaned_trials([spec], st) == 1
+    assert fail_orphaned_trials([spec], st) == 0
+    log = tmp_path / "log"
+    rep = run_worker([spec], st, FakeRunner(log=log))
+    assert rep.measured == 2 and [v for _, v, _ in read_log(log)] == ["v0", "v1"]
+    states = [t.state for t in _study(st, spec).get_trials()]
+    assert states[0] == optuna.trial.TrialState.FAIL and states.count(optuna.trial.TrialState.COMPLETE) == 2
