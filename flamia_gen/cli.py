@@ -251,9 +251,16 @@ def bundle(specs_dir, arch, routes, names, jobs, out_dir):
 @click.option("--dump", "dump_dir", type=click.Path(file_okay=False), default=None,
               help="cuda: save the inputs and kernel outputs of every failing attention case here "
                    "(torch.save, one file per variant and input) to analyse on any machine")
-def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers, dump_dir):
+@click.option("--kind", "kinds", multiple=True, type=click.Choice(["quant", "attn_fwd", "attn_bwd"]),
+              help="cuda: only these kernel kinds (repeatable; default: all)")
+@click.option("--variant", "patterns", multiple=True, metavar="GLOB",
+              help="cuda: only variants whose name matches this glob (repeatable), e.g. 'attn_bwd_*_det*'")
+def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers, dump_dir, kinds, patterns):
     """cpu: emulated routes vs fp32 + leakage probe. cuda: kernels vs the emulator."""
     _known_routes(routes)
+    if device == "cpu" and (kinds or patterns):
+        raise click.BadParameter("--kind and --variant select bundle kernels: they need --device cuda",
+                                 param_hint="'--kind' / '--variant'")
     if device == "cpu":
         from .verify.cpu import render_table, to_json, verify_cpu
 
@@ -265,7 +272,7 @@ def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers,
     from .verify.gpu import verify_cuda
 
     code = verify_cuda(list(routes) or None, bundle_dir=bundle_dir, json_out=json_out, console=console,
-                       dump_dir=dump_dir)
+                       dump_dir=dump_dir, kinds=list(kinds) or None, patterns=list(patterns) or None)
     sys.exit(code)
 
 

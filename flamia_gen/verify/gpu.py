@@ -125,7 +125,35 @@ def render_quant_table(rows: list[dict]) -> Table:
     return t
 
 
-def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None, dump_dir=None) -> int:
+KINDS = ("quant", "attn_fwd", "attn_bwd")
+
+
+def select_names(bundle, kinds=None, patterns=None) -> tuple[set, set | None]:
+    """(kinds to run, variant names or None = all) from `--kind` and `--variant` glob patterns.
+    A pattern matching no variant of the bundle is a ValueError naming it (a typo must not
+    verify nothing and pass)."""
+    import fnmatch
+
+    run = set(kinds or KINDS)
+    bad = run - set(KINDS)
+    if bad:
+        raise ValueError(f"kind {sorted(bad)[0]!r}: allowed values {list(KINDS)}")
+    if not patterns:
+        return run, None
+    all_names = [v["name"] for v in bundle.manifest["variants"]]
+    names = set()
+    for pat in patterns:
+        hit = fnmatch.filter(all_names, pat)
+        if not hit:
+            raise ValueError(f"--variant {pat!r} matches no variant of bundle {bundle.root}")
+        names.update(hit)
+    return run, names
+
+
+def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None, dump_dir=None, kinds=None,
+                patterns=None) -> int:
+    """`kinds` (subset of KINDS) and `patterns` (glob patterns of variant names) narrow the run:
+    a GPU session's minutes go to what changed."""
     import torch
 
     from ..runtime.bundle import BundleError, load_bundle
@@ -140,10 +168,16 @@ def verify_cuda(routes=None, *, bundle_dir=None, json_out=None, console=None, du
         if console:
             console.print(f"[red]{e}[/red]")
         return 2
-    kinds = {v["kind"] for v in bundle.manifest["variants"]}
-    rows = verify_quant_bundle(bundle, routes) if "quant" in kinds else []
-    attn_rows = verify_attn_bundle(bundle, routes, dump_dir=dump_dir) if "attn_fwd" in kinds else []
-    bwd_rows = verify_bwd_bundle(bundle, routes, dump_dir=dump_dir) if "attn_bwd" in kinds else []
+    try:
+        run, names = select_names(bundle, kinds, patterns)
+    except ValueError as e:
+        if console:
+            console.print(f"[red]{e}[/red]")
+        return 2
+    have = {v["kind"] for v in bundle.manifest["variants"]} & run
+    rows = verify_quant_bundle(bundle, routes, names=names) if "quant" in have else []
+    attn_rows = verify_attn_bundle(bundle, routes, names=names, dump_dir=dump_dir) if "attn_fwd" in have else []
+    bwd_rows = verify_bwd_bundle(bundle, routes, names=names, dump_dir=dump_dir) if "attn_bwd" in have else []
     if console:
         if rows:
             console.print(render_quant_table(rows))
