@@ -211,36 +211,45 @@ def token_copy_use(root: str, route: str, operand: str, d: int) -> tuple[str, st
                         f"head_dim={d}) on {ARCH} in bundle {root}")
 
 
-def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile) -> dict:
-    """The fused quantizer launches an FP8 forward variant needs, as run_attn_fwd keyword arguments:
-    Q, K, Vᵀ codes and per-token exponents of the route, Q per token where the route keeps O_i
-    causal (rows_q), and the per-token K / Vᵀ copies its diagonal tiles read (diag_k, diag_v).
-    NVFP4 Q, K (nvfp4_mixed, q_fmt e2m1): their quantizer launches' codes and block scales
-    dequantized to BF16 on the device, tensor scales as `qk_tensor_scale` (runtime.nvfp4)."""
-    root, D, p = str(b.root), q.shape[2], fwd["params"]
-
-    def launch(x, r, op):
-        return _quantize(b, _pick_cached(root, "quant", r, D, None, profile, op), x, cu)
-
-    if p.get("q_fmt") == "e2m1":
-        ins = mixed_qk_inputs(launch(q, route, "q"), launch(k, route, "k"))
-        vq = launch(v, route, "v")
-        ins.update(v=vq["codes_t"], v_scale=per_token_scales(vq["scales"], v))
+def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
+    """run_attn_fwd keyword arguments of an 8-bit forward variant (PARAMS `params`), the one place
+    that says which quantizations it reads: Q, K, Vᵀ codes and per-token exponents of the route; Q
+    per token where the route keeps O_i causal (`rows_q`); the per-token K / Vᵀ copies its diagonal
+    tiles read (`diag_k`, `diag_v`); NVFP4 Q, K (q_fmt e2m1) dequantized to BF16 with their tensor
+    scales as `qk_tensor_scale` (runtime.nvfp4). `quant(x, operand, per_token)` quantizes x with the
+    route's spec of `operand` (or its per-token copy) and returns a mapping with `codes`, `scales`,
+    `codes_t`, `tensor_scale`: the bundle's quantizer launches here (`fp8_forward_inputs`), the
+    emulator's quantizer in verify (`verify.attn_gpu.kernel_inputs`)."""
+    if params.get("q_fmt") == "e2m1":
+        ins = mixed_qk_inputs(quant(q, "q", False), quant(k, "k", False))
     else:
-        qq = launch(q, *(token_copy_use(root, route, "q", D) if p.get("rows_q") else (route, "q")))
-        kq, vq = launch(k, route, "k"), launch(v, route, "v")
-        ins = dict(q=qq["codes"], k=kq["codes"], v=vq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
-                   k_scale=per_token_scales(kq["scales"], k), v_scale=per_token_scales(vq["scales"], v))
+        qq, kq = quant(q, "q", bool(params.get("rows_q"))), quant(k, "k", False)
+        ins = dict(q=qq["codes"], k=kq["codes"], q_scale=per_token_scales(qq["scales"], q),
+                   k_scale=per_token_scales(kq["scales"], k))
+    vq = quant(v, "v", False)
+    ins.update(v=vq["codes_t"], v_scale=per_token_scales(vq["scales"], v))
     diag = {}
-    if p.get("diag_k"):
-        kt = launch(k, *token_copy_use(root, route, "k", D))
+    if params.get("diag_k"):
+        kt = quant(k, "k", True)
         diag.update(k_diag=kt["codes"], k_diag_scale=per_token_scales(kt["scales"], k))
-    if p.get("diag_v"):
-        vt = launch(v, *token_copy_use(root, route, "v", D))
+    if params.get("diag_v"):
+        vt = quant(v, "v", True)
         diag.update(v_t_diag=vt["codes_t"], v_diag_scale=per_token_scales(vt["scales"], v))
     if diag:
         ins["diag"] = diag
     return ins
+
+
+def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile) -> dict:
+    """`assemble_forward_inputs` with the bundle's fused quantizer launches (per-token copies through
+    `token_copy_use`)."""
+    root, D = str(b.root), q.shape[2]
+
+    def launch(x, op, per_token):
+        r, o = token_copy_use(root, route, op, D) if per_token else (route, op)
+        return _quantize(b, _pick_cached(root, "quant", r, D, None, profile, o), x, cu)
+
+    return assemble_forward_inputs(fwd["params"], q, k, v, launch)
 
 
 # ---------------------------------------------------------------- backward helpers (issue #9)
@@ -320,3 +329,13 @@ def bwd_work_list(cu: torch.Tensor, T: int, params: dict, fp8: bool) -> torch.Te
     align = kernel_key_align(fp8)
     return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align),
                         lambda: make_bwd_work_list(cu, tile_m, tile_n, causal, key_align=align, T=T))
+
+
+def bwd_dq_tile_offsets(cu: torch.Tensor, params: dict, fp8: bool) -> torch.Tensor:
+    """A deterministic backward's `dq_tile_off` (per-document prefix of query-tile counts), cached
+    like the work list (`_cached_work`): a few small launches saved per call."""
+    from .attn_bwd import dq_tile_offsets
+
+    align = kernel_key_align(fp8)
+    return _cached_work(cu, ("dq_tile_off", params["tile_m"], align),
+                        lambda: dq_tile_offsets(cu, params["tile_m"], align))

@@ -17,9 +17,8 @@ from ..numerics import quantize
 from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
 from ..bench.flops import attention_flops
-from ..runtime.attention import per_token_scales
+from ..runtime.attention import assemble_forward_inputs
 from ..runtime.attn_fwd import kernel_key_align, make_work_list, run_attn_fwd
-from ..runtime.nvfp4 import mixed_qk_inputs
 from .cpu import expected_o_cosine
 from ..spec import get_route
 from ..spec.enums import Granularity
@@ -84,39 +83,19 @@ def make_qkv(doc_lens, hq, hkv, d, kind, gen, device):
 
 
 def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
-    """What the fused quantizer launches hand the forward variant with PARAMS `params` (made here
-    by the emulator's quantizer, which the quantizer kernels are bitwise equal to): Q per token
-    where `rows_q`, the per-token K / Vᵀ copies of the diagonal tiles where `diag_k` / `diag_v`
-    (as runtime.attention.fp8_forward_inputs launches them). NVFP4 Q, K (nvfp4_mixed): BF16
-    code·block-scale and qk_tensor_scale (runtime.nvfp4.mixed_qk_inputs)."""
+    """What the fused quantizer launches hand the forward variant with PARAMS `params`
+    (runtime.attention.assemble_forward_inputs), made here by the emulator's quantizer, which the
+    quantizer kernels are bitwise equal to."""
     ops = route.operands
     if not ops.q.quantized:
         return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous())
-    p = params or {}
 
-    def tok(oq):
-        return oq.model_copy(update={"granularity": Granularity.token})
+    def quant(x, op, per_token):
+        spec = getattr(ops, op)
+        z = quantize(x, spec.model_copy(update={"granularity": Granularity.token}) if per_token else spec, cu)
+        return dict(codes=z.codes, scales=z.scales, codes_t=z.codes_t, tensor_scale=z.tensor_scale)
 
-    vq = quantize(v, ops.v, cu)
-    if ops.q.granularity is Granularity.nvfp4:
-        qq, kq = quantize(q, ops.q, cu), quantize(k, ops.k, cu)
-        ins = mixed_qk_inputs(*(dict(codes=x.codes, scales=x.scales, tensor_scale=x.tensor_scale) for x in (qq, kq)))
-        ins.update(v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
-    else:
-        qq = quantize(q, tok(ops.q) if p.get("rows_q") else ops.q, cu)
-        kq = quantize(k, ops.k, cu)
-        ins = dict(q=qq.codes, q_scale=per_token_scales(qq.scales, q), k=kq.codes,
-                   k_scale=per_token_scales(kq.scales, k), v=vq.codes_t, v_scale=per_token_scales(vq.scales, v))
-    diag = {}
-    if p.get("diag_k"):
-        kt = quantize(k, tok(ops.k), cu)
-        diag.update(k_diag=kt.codes, k_diag_scale=per_token_scales(kt.scales, k))
-    if p.get("diag_v"):
-        vt = quantize(v, tok(ops.v), cu)
-        diag.update(v_t_diag=vt.codes_t, v_diag_scale=per_token_scales(vt.scales, v))
-    if diag:
-        ins["diag"] = diag
-    return ins
+    return assemble_forward_inputs(params or {"q_fmt": ops.q.format.value}, q, k, v, quant)
 
 
 def run_kernel(fn, entry, route, q, k, v, cu, poison=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -26,14 +27,25 @@ from flamia_gen.spec import get_route
 from flamia_gen.spec.enums import Format
 
 
+BASE = "b82e273"  # the last commit before the backward model
+
+
 def _original_module():
-    """reference_route.py as it was before the backward model (commit b82e273), frozen in tests."""
-    name = "_reference_route_b82e273"
+    """reference_route.py as it was before the backward model (commit BASE), read from the git
+    history and loaded inside the package (its relative imports resolve); skips where the history
+    is not available (a shallow clone)."""
+    name = f"flamia_gen.numerics._reference_route_{BASE}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(name + ".py"))
-        mod = importlib.util.module_from_spec(spec)
+        repo = pathlib.Path(__file__).resolve().parents[2]
+        try:
+            src = subprocess.run(["git", "show", f"{BASE}:flamia_gen/numerics/reference_route.py"], cwd=repo,
+                                 capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            pytest.skip(f"commit {BASE} is not in this clone's history")
+        mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+        mod.__package__ = "flamia_gen.numerics"
         sys.modules[name] = mod  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(mod)
+        exec(compile(src, f"{BASE}:reference_route.py", "exec"), mod.__dict__)
     return sys.modules[name]
 
 

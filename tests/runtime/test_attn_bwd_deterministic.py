@@ -339,3 +339,19 @@ def test_gpu_deterministic_backward_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, e) for a, e in zip(out, eager))
+
+
+def test_op_path_reuses_the_dq_tile_offsets_of_a_cu_seqlens_tensor():
+    """The op (`runtime.ops.backward_with`) passes `dq_tile_off` from the per-`cu_seqlens` cache:
+    built once per tensor and equal to `dq_tile_offsets`, rebuilt when the tensor changes."""
+    from flamia_gen.runtime.attention import bwd_dq_tile_offsets
+    from flamia_gen.runtime.attn_bwd import dq_tile_offsets
+
+    cu = torch.tensor([0, 5, 70, 71, 300], dtype=torch.int32)
+    p = {"tile_m": 64}
+    a = bwd_dq_tile_offsets(cu, p, fp8=True)
+    assert bwd_dq_tile_offsets(cu, p, fp8=True) is a
+    assert torch.equal(a, dq_tile_offsets(cu, 64, 16))
+    assert torch.equal(bwd_dq_tile_offsets(cu, p, fp8=False), dq_tile_offsets(cu, 64, 1))
+    cu[2] = 100  # in-place edit: the version counter moves, the cache rebuilds
+    assert torch.equal(bwd_dq_tile_offsets(cu, p, fp8=True), dq_tile_offsets(cu, 64, 16))
