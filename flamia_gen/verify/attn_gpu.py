@@ -282,8 +282,9 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
                      probe=True, dump_dir=None) -> list[dict]:
     """dQ, dK, dV of a backward variant (through the quantizer launches the op uses, dK/dV
     poisoned with NaN first) vs the emulator given the kernel forward's O and LSE (cosine ≥
-    0.9999) and vs exact fp32 gradients (≥ 0.997 for 8-bit routes on Gaussian inputs);
-    the dQ leakage probe on exact routes (causal)."""
+    0.9999; FP8 kernels: the emulator's sm90 FP8 MMA model) and vs exact fp32 gradients (≥ 0.997
+    for 8-bit routes on every input kind, outlier tokens included); the dQ leakage probe on exact
+    routes (causal)."""
     from ..numerics.reference import attention_backward
 
     route = get_route(entry["uses"][0])
@@ -298,29 +299,34 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         do = torch.randn(q.shape, generator=gen).to(torch.bfloat16).cuda()
         o, lse, dq, dk, dv = _run_bwd(bundle, entry, q, k, v, do, cu)
         torch.cuda.synchronize()
-        emu = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
-                                 tile_m=params["tile_m"], tile_n=params["tile_n"])
-        exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
-        row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs))
         opts = emulator_options(params)
         mma = opts["mma"]
-        if mma != "exact":  # reported beside the bound's (exact-sum) emulator: is the gap the tensor cores' sums?
-            # every FP8 product of the backward under the model, in the kernel's tiles (FP8 tiles start at
-            # doc_start rounded down to 16: key_align), k-block orders and running references
-            # (numerics.reference_route._backward_pass_mma; docs/numerics.md §2.4.1)
-            emu_mma = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
-                                         tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma,
-                                         key_align=opts["key_align"])
-            for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_mma):
-                row[f"{name}_cos_emulator_{mma}"] = float(cosine(got.float(), e.float()))
+        # The bound's emulator: for FP8 kernels every FP8 product of the backward under the tensor-core
+        # model, in the kernel's tiles (FP8 tiles start at doc_start rounded down to 16: key_align),
+        # k-block orders and running references (numerics.reference_route._backward_pass_mma;
+        # docs/numerics.md §2.4.1), as the forward's bound. H200 2026-11-29: it moved fp8_token from
+        # 0.99998 (exact sums) to 0.999998 on Gaussian inputs. The exact-sum emulator is reported beside.
+        emu = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
+                                 tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma,
+                                 key_align=opts["key_align"])
+        exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
+        row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
+                   emulator_mma=mma)
+        if mma != "exact":
+            emu_sums = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
+                                          tile_m=params["tile_m"], tile_n=params["tile_n"])
+            for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_sums):
+                row[f"{name}_cos_emulator_exact_sums"] = float(cosine(got.float(), e.float()))
         ok = True
         for name, got, e, x in zip(("dq", "dk", "dv"), (dq, dk, dv), emu, exact):
             nan = int(torch.isnan(got).sum())
             c_emu = float(cosine(got.float(), e.float()))
             c_ref = float(cosine(got.float(), x.float()))
             row.update({f"{name}_nan": nan, f"{name}_cos_emulator": c_emu, f"{name}_cos_fp32": c_ref})
+            # issue #9: vs fp32 on every input kind, outlier tokens included (fp8_token fails there: 0.62
+            # dK on the H200; the route's numerics, not the kernel's; docs/numerics.md)
             need_ref = BWD_FP32_COSINE_8BIT if route.quantized else 0.9999
-            ok = ok and nan == 0 and c_emu >= BWD_EMULATOR_COSINE and (kind == "outlier" or c_ref >= need_ref)
+            ok = ok and nan == 0 and c_emu >= BWD_EMULATOR_COSINE and c_ref >= need_ref
         row["cos_emulator"] = min(row[f"{n}_cos_emulator"] for n in ("dq", "dk", "dv"))
         row["cos_fp32"] = min(row[f"{n}_cos_fp32"] for n in ("dq", "dk", "dv"))
         row["nan"] = sum(row[f"{n}_nan"] for n in ("dq", "dk", "dv"))

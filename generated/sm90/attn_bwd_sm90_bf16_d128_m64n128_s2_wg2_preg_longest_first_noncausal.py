@@ -59,6 +59,7 @@ PARAMS = {
     "exp_approx": "ex2",
     "key_align": 1,
     "deterministic_dq": False,
+    "bwd_interior_nomask": True,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
     "flamia_version": "0.1.0",
@@ -282,6 +283,23 @@ def bwd_tiling(n_block, doc_start, doc_len):
     # a key tile past the document (first key ≥ doc_len) has nothing to do: m_hi = 0
     m_hi = cutlass.min(m_hi, cutlass.max(doc_len + delta - n_block * TILE_N, 0) * m_hi)
     return base, delta, m_lo, m_hi
+
+
+def bwd_interior(n_block, delta, doc_len):
+    """Interior query tiles of key tile `n_block` (tiles as in bwd_tiling): (i_lo, i_hi).
+
+    Query tile m with i_lo <= m < i_hi needs no mask: every key of the pair, n_block·TILE_N −
+    delta + [0, TILE_N), and every query, m·TILE_M − delta + [0, TILE_M) (document-local), is inside
+    the document (no token of the previous document, none at or past doc_len). The range is empty when a key of
+    the tile lies outside the document. Exact: every other pair the unit visits holds a (query,
+    key) the mask zeroes. The unit still visits m_lo … m_hi − 1 in order (a range, not a
+    reordering). Plain integer arithmetic: works on Python ints (tests) and in the kernel."""
+    key0 = n_block * TILE_N - delta  # document-local key of the tile's row 0
+    # 1 iff 0 <= key0 and key0 + TILE_N <= doc_len (all keys in the document), else 0
+    keys_in = cutlass.min(cutlass.max(key0 + 1, 0), 1) * cutlass.min(cutlass.max(doc_len - key0 - TILE_N + 1, 0), 1)
+    i_lo = (delta + TILE_M - 1) // TILE_M  # m·TILE_M >= delta: first query >= 0
+    i_hi = (doc_len + delta) // TILE_M  # (m + 1)·TILE_M − delta <= doc_len: last query < doc_len
+    return i_lo, i_lo + cutlass.max(i_hi - i_lo, 0) * keys_in
 
 
 def row_word(c, which):
@@ -585,6 +603,7 @@ class AttnBwdSm90:
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
+                i_lo, i_hi = bwd_interior(n_block, delta, doc_len)  # query tiles without a masked pair
                 k_tok0 = base + n_block * n
                 for rh in cutlass.range_constexpr(2):
                     run[rh] = Int32(-127)
@@ -598,11 +617,20 @@ class AttnBwdSm90:
                     head = hkv * group + hh
                     for mi in cutlass.range(m_hi - m_lo, unroll=1):
                         m_block = m_lo + mi
-                        q_state = self.one_tile(
-                            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
-                            tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf, vf,
-                            run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head, doc_len,
-                            mdQacc, softmax_scale, scale_log2, tidx)
+                        # two compile-time copies of one_tile: interior tiles skip the mask arithmetic;
+                        # the order of the query tiles (dV/dK running references, dQ turns) is unchanged
+                        if (m_block >= i_lo) & (m_block < i_hi):
+                            q_state = self.one_tile(
+                                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
+                                tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
+                                vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
+                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, False)
+                        else:
+                            q_state = self.one_tile(
+                                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
+                                tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
+                                vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
+                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, True)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
@@ -624,9 +652,11 @@ class AttnBwdSm90:
                  tScS: cute.Tensor, tdQcdQ: cute.Tensor, sRow: cute.Tensor, sAmax: cute.Tensor, kf: cute.Tensor,
                  vf: cute.Tensor, run: cute.Tensor, bufs: cute.Tensor, pipe_q, q_state, key0: Int32, qrow0: Int32,
                  q_tok0: Int32, head: Int32, doc_len: Int32, mdQacc: cute.Tensor, softmax_scale: Float32,
-                 scale_log2: Float32, tidx: Int32):
-        """One query tile against the unit's key tile. Masking is applied on every tile (first
-        stage: a mask-free path for interior tiles is a later speed step)."""
+                 scale_log2: Float32, tidx: Int32,
+                 mask: cutlass.Constexpr[bool]):
+        """One query tile against the unit's key tile. mask=False (compile time) on interior tiles
+        (bwd_interior: every pair inside the document and visible): no mask arithmetic, no dQ row
+        predicate; the rest of the tile's work is the same as with mask=True."""
         m = self.tile_m
         buf = bufs[0]
         shape_S = tiled_mma_sdp.get_slice(0).partition_shape_C((self.tile_n, m))
@@ -644,15 +674,18 @@ class AttnBwdSm90:
             lse2 = self.load2(sRow, rbase + row_word(c, 0))
             dl = self.load2(sRow, rbase + row_word(c, 1))
             for cp in cutlass.range_constexpr(2):
-                qq = qrow0 + c + cp
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    kk = key0 + tScS[2 * rh][0]
                     p = ex2(acc_S[i] * scale_log2 - lse2[cp])
                     ds = p * (acc_dP[i] - dl[cp])
-                    if (kk < 0) | (kk >= doc_len) | (qq < 0) | (qq >= doc_len):
-                        p = Float32(0.0)
-                        ds = Float32(0.0)
+                    # interior tiles (mask=False): no pair to zero, so no index arithmetic, compares
+                    # or selects; p and ds of a visible pair are the same either way
+                    if const_expr(mask):
+                        qq = qrow0 + c + cp
+                        kk = key0 + tScS[2 * rh][0]
+                        if (kk < 0) | (kk >= doc_len) | (qq < 0) | (qq >= doc_len):
+                            p = Float32(0.0)
+                            ds = Float32(0.0)
                     acc_S[i] = p
                     acc_dP[i] = ds
         self.convert_p(acc_S, tdVrP)
@@ -681,7 +714,13 @@ class AttnBwdSm90:
         # accumulator elements 2j, 2j + 1 are columns c, c + 1 of one row (c even: 8-byte aligned)
         for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
             r = tdQcdQ[2 * j][0]
-            if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
+            if const_expr(mask):
+                if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
+                    off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[2 * j][1]
+                    f = dqf[j % 2]
+                    red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)
+            else:
+                # interior tile: every row is a query of this document, no row predicate
                 off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[2 * j][1]
                 f = dqf[j % 2]
                 red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)

@@ -43,7 +43,7 @@ def test_safeguards_per_route():
 
 
 def test_diag_variants_exist_and_take_the_copies():
-    assert {v.route for v in DIAG} == {"mxfp8", "mxfp8_exact"}
+    assert {v.route for v in DIAG} == {"mxfp8", "mxfp8_exact", "nvfp4_mixed"}
     assert all(v.param("causal") for v in DIAG)
     ex = _literals(render_variant(_by("mxfp8_exact")))
     assert [a["name"] for a in ex["ARGS"]][6:10] == ["k_diag", "k_diag_scale", "v_t_diag", "v_diag_scale"]

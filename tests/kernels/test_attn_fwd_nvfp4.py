@@ -5,8 +5,8 @@ code·block-scale (exact), their fp32 tensor scales reach the kernel as one devi
 (`qk_tensor_scale`) that joins the softmax scale, and everything from S on is the FP8 route's
 path (per-key V exponents folded into P̂, Vᵀ E4M3 K-major, per-key V copies on diagonal tiles).
 
-specs/kernels/attn_fwd_sm90.yaml does not list the route yet (it ships once verified and tuned
-on the H200), so the variants here come from a copy of that family with nvfp4_mixed added.
+specs/kernels/attn_fwd_sm90.yaml lists the route since 2026-11-29 (verified on the H200: O bitwise
+equal to the emulator); the variants here come from the family with its routes narrowed.
 CPU only, except the `compile` tests (sm_90a cross-compile).
 """
 
@@ -61,10 +61,10 @@ def _twin(v, route):
 
 
 # ----------------------------------------------------------------------------- variants and render
-def test_route_not_shipped_yet_and_variants_expand():
-    """The spec does not list the route (shipping it is a spec change + re-tune on the H200);
-    the family copy expands to the same tile points as the FP8 routes, per-key V on causal."""
-    assert ROUTE not in _shipped_routes()
+def test_route_shipped_and_variants_expand():
+    """The spec lists the route (shipped after the H200 verify and tune); the family expands it to
+    the same tile points as the FP8 routes, per-key V on causal."""
+    assert ROUTE in _shipped_routes()
     assert len(MIXED) == 8
     assert {(v.param("tile_m"), v.param("tile_n")) for v in MIXED} == {(128, 128), (128, 192), (192, 128)}
     sg = get_route(ROUTE).forward_safeguards

@@ -63,6 +63,11 @@ def test_render_deterministic_and_parses(v):
         diag = list(diag_inputs_needed(lit["PARAMS"]))  # the token-block routes' diagonal-tile copies
         assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + diag + tail
         assert "QGMMA" not in a  # sanity: the source is DSL, not SASS
+    elif v.param("q_fmt") == "e2m1":  # nvfp4_mixed: BF16 QKᵀ on dequantized NVFP4, FP8 PV
+        from flamia_gen.runtime.attn_fwd import diag_inputs_needed
+
+        diag = list(diag_inputs_needed(lit["PARAMS"]))
+        assert names == ["q", "k", "v_t", "v_scale"] + diag + ["qk_tensor_scale"] + tail
     else:
         assert names == ["q", "k", "v"] + tail
     for x in lit["ARGS"]:
@@ -259,7 +264,7 @@ def test_key_tiling_aligned_and_covers_and_masks(v):
     key_tiling, c = _key_tiling_fn(render_variant(v))
     causal = v.param("causal")
     tm, tn, align = c["TILE_M"], c["TILE_N"], c["KEY_ALIGN"]
-    fp8 = v.param("q_fmt") == "e4m3"
+    fp8 = v.param("q_fmt") in ("e4m3", "e2m1")  # nvfp4_mixed: Vᵀ is E4M3 K-major (16-aligned TMA)
     assert align == (16 if fp8 else 1)
     g = torch.Generator().manual_seed(1)
     starts = [0, 1, 3, 6, 15, 16, 17, 1000, 1024, 1300, 4099] + torch.randint(0, 10 ** 6, (40,), generator=g).tolist()
@@ -569,7 +574,7 @@ def test_three_consumer_warpgroups_render_registers_and_tiling():
     w3 = [v for v in VARIANTS if v.param("compute_warpgroups") == 3]
     assert w3 and all(v.param("tile_m") == 192 and v.param("tile_n") == 128 and not v.param("intra_wg_overlap")
                       for v in w3)
-    assert {v.route for v in w3} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact"}  # bf16 m192: smem
+    assert {v.route for v in w3} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed"}  # bf16 m192: smem
     for v in w3:
         src = render_variant(v)
         lit = _literals(src)["PARAMS"]
