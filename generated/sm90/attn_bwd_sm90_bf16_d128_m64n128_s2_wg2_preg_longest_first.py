@@ -60,6 +60,7 @@ PARAMS = {
     "key_align": 1,
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
+    "bwd_dq_bulk": True,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
     "flamia_version": "0.1.0",
@@ -112,6 +113,20 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
                            Float32(b).ir_value(loc=loc, ip=ip)],
                     "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gptr, sptr, nbytes, *, loc=None, ip=None):
+    """dst[i] += src[i] (fp32) for nbytes (a multiple of 16; both addresses 16-byte aligned) from shared
+    to global memory, one bulk async copy of the calling thread's bulk async-group (sm_90): each word
+    is one fp32 add, as red.global.add."""
+    llvm.inline_asm(None, [gptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                           sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -402,6 +417,7 @@ class AttnBwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sRow: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * self.row_words], 16]
             sAmax: cute.struct.Align[cute.struct.MemRange[Uint32, 2 * self.tile_m], 16]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * DQ_LD], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQ_layout)], 1024]
@@ -455,6 +471,7 @@ class AttnBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sRow = storage.sRow.get_tensor(cute.make_layout(self.stages * self.row_words))
         sAmax = storage.sAmax.get_tensor(cute.make_layout(2 * self.tile_m))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m, DQ_LD), stride=(DQ_LD, 1)))
         pipeline.pipeline_init_wait()
 
         HKV = mK.shape[2]
@@ -469,7 +486,8 @@ class AttnBwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      mCu, mWork, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
-                     softmax_scale, scale_log2, tidx - 128, HKV, num_units)
+                     softmax_scale, scale_log2, tidx - 128, HKV, num_units,
+                     sdQ)
 
     # -----------------------------------------------------------------------------------
     # Producer warp: K, V once per unit; Q, dO and row factors per query tile.
@@ -552,7 +570,8 @@ class AttnBwdSm90:
             mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
             sRow: cute.Tensor, sAmax: cute.Tensor, pipe_kv, pipe_q, softmax_scale: Float32, scale_log2: Float32,
-            tidx: Int32, HKV: Int32, num_units: Int32):
+            tidx: Int32, HKV: Int32, num_units: Int32,
+            sdQ: cute.Tensor):
         T = mdQacc.shape[0]
         HQ = mdQacc.shape[1]
         group = HQ // HKV
@@ -627,17 +646,19 @@ class AttnBwdSm90:
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, False)
+                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, sdQ, False)
                         else:
                             q_state = self.one_tile(
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, True)
+                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, sdQ, True)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+        # the last tile's bulk reduce-adds read shared memory: finish them before the CTA exits
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def load2(self, s: cute.Tensor, off: Int32):
@@ -655,7 +676,7 @@ class AttnBwdSm90:
                  tScS: cute.Tensor, tdQcdQ: cute.Tensor, sRow: cute.Tensor, sAmax: cute.Tensor, kf: cute.Tensor,
                  vf: cute.Tensor, run: cute.Tensor, bufs: cute.Tensor, pipe_q, q_state, key0: Int32, qrow0: Int32,
                  q_tok0: Int32, head: Int32, doc_len: Int32, mdQacc: cute.Tensor, softmax_scale: Float32,
-                 scale_log2: Float32, tidx: Int32,
+                 scale_log2: Float32, tidx: Int32, sdQ: cute.Tensor,
                  mask: cutlass.Constexpr[bool]):
         """One query tile against the unit's key tile. mask=False (compile time) on interior tiles
         (bwd_interior: every pair inside the document and visible): no mask arithmetic, no dQ row
@@ -706,6 +727,9 @@ class AttnBwdSm90:
         for i in cutlass.range_constexpr(cute.size(rdS)):
             dst[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
+        # the previous tile's bulk reduce-adds (issued by threads < tile_m) have read sdQ: after this
+        # barrier every thread may overwrite it (the wait is a no-op for threads without a group)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
@@ -714,19 +738,26 @@ class AttnBwdSm90:
         q_state.advance()
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
-        # accumulator elements 2j, 2j + 1 are columns c, c + 1 of one row (c even: 8-byte aligned)
+        # dQ partial (scaled) → sdQ (m × D, row stride DQ_LD words), then one bulk reduce-add per row
         for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
             r = tdQcdQ[2 * j][0]
+            f = dqf[j % 2]
+            dst2 = cute.make_tensor(sdQ.iterator + cute.assume(r * DQ_LD + tdQcdQ[2 * j][1], divby=2),
+                                    cute.make_layout(2))
+            v2 = cute.make_rmem_tensor(2, Float32)
+            v2[0] = acc_dQ[2 * j] * f
+            v2[1] = acc_dQ[2 * j + 1] * f
+            cute.autovec_copy(v2, dst2)
+        cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
+        if tidx < m:
+            row_ok = True
             if const_expr(mask):
-                if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
-                    off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[2 * j][1]
-                    f = dqf[j % 2]
-                    red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)
-            else:
-                # interior tile: every row is a query of this document, no row predicate
-                off = ((q_tok0 + r) * HQ + head) * self.head_dim + tdQcdQ[2 * j][1]
-                f = dqf[j % 2]
-                red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)
+                row_ok = (qrow0 + tidx >= 0) & (qrow0 + tidx < doc_len)
+            if row_ok:
+                off = ((q_tok0 + tidx) * HQ + head) * self.head_dim
+                bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)
+            cute.arch.cp_async_bulk_commit_group()
         bufs[0] = 1 - buf
         return q_state
 

@@ -30,8 +30,11 @@ def variants():
 
 
 def _render_with(v, **over):
+    """Render with template flags overridden; the dQ bulk reduce off unless asked (these tests look at
+    the mask and the per-element red path it predicates)."""
     from flamia_gen.render.render import HEADER, _environment, templates_dir
 
+    over.setdefault("bwd_dq_bulk", False)
     body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
     return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
@@ -52,7 +55,7 @@ def test_default_is_on_and_off_renders_the_masked_kernel(variants):
     """The default render is the flag-on kernel; explicit False has no interior path, no PARAMS key."""
     for v in variants:
         src = render_variant(v)
-        assert _render_with(v, bwd_interior_nomask=True) == src, v.name
+        assert _render_with(v, bwd_interior_nomask=True, bwd_dq_bulk=True) == src, v.name
         assert _params(src)["bwd_interior_nomask"] is True
         off = _render_with(v, bwd_interior_nomask=False)
         assert off != src
@@ -253,7 +256,7 @@ def test_compile_flag_on_drops_the_mask_selects(variants, compile_sm90, tmp_path
     off = _counts(compile_sm90(v, source=_render_with(v, bwd_interior_nomask=False)))
     for p in (tmp_path / "dump").glob("*.ptx"):  # the fixture's per-test dump folder: next build only
         p.unlink()
-    on = _counts(compile_sm90(v))  # the default render: flag on
+    on = _counts(compile_sm90(v, source=_render_with(v, bwd_interior_nomask=True)))
     assert off["entries"] == on["entries"] == 1
     assert off["ex2"] == 32 and on["ex2"] == 2 * off["ex2"]  # 32 exp2 per thread per tile copy
     assert on["red.v2"] == 2 * off["red.v2"] == 32

@@ -9,6 +9,7 @@ The kernel itself is checked on the GPU by `flamia-gen verify --device cuda` (do
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,10 +285,11 @@ def test_compile_fp8_token_variant(variants, compile_sm90):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "atom.shared.max.u32" in ptx  # dQ-scale amax across warpgroups
     # dQ reduce-add: one vector red per column pair (profile 2026-11-29: the scalar atomics' stalls
-    # were ~20 % of the backward's warp samples), no scalar fp32 atomics left; 16 per tile copy, and the
-    # default render has two copies (bwd_interior_nomask: masked and interior tiles)
-    assert ptx.count("red.global.add.v2.f32") == 32
-    assert "red.global.add.f32" not in ptx and "atom.global.add.f32" not in ptx
+    # were ~20 % of the backward's warp samples); since then (bwd_dq_bulk, default on) the partial goes
+    # through shared memory and one bulk reduce-add per row: one per tile copy (bwd_interior_nomask:
+    # masked and interior tiles), no per-element reduce or atomic left
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert "red.global.add" not in ptx and "atom.global.add.f32" not in ptx
     assert "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
 
 
@@ -303,8 +305,6 @@ def test_compile_bf16_variant(variants, compile_sm90):
 @pytest.mark.parametrize("route, causal", [("fp8_token", True), ("bf16", False)])
 def test_compile_deterministic_variant(variants, compile_sm90, route, causal):
     """The `_det` variants cross-compile; the semaphore protocol is in the PTX."""
-    import re
-
     v = next(v for v in variants if v.route == route and v.param("causal") == causal and _is_det(v))
     ptx = compile_sm90(v)
     assert "ld.global.acquire.gpu.b32" in ptx and "nanosleep.u32" in ptx  # the spin-wait
@@ -326,3 +326,62 @@ def test_compile_head_dim_64(variants, compile_sm90, route):
     assert '"head_dim": 64' in src
     ptx = compile_sm90(v, source=src)
     assert "wgmma.mma_async" in ptx
+
+
+# ----------------------------------------------------------------------------- dQ bulk reduce-add
+def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
+    """bwd_dq_bulk: non-deterministic variants stage the dQ partial in shared memory and add it with one
+    bulk reduce-add per document row; the deterministic ones keep the ordered per-element red path."""
+    for v in variants:
+        src = render_variant(v)
+        lit = _literals(src)
+        if _is_det(v):
+            assert "bwd_dq_bulk" not in lit["PARAMS"] and "bulk_reduce_add_f32" not in src
+            assert "red_add_v2_f32(mdQacc.iterator + off" in src
+            assert _render_with(v, bwd_dq_bulk=True) == src  # the flag cannot turn the ordered path off
+        else:
+            assert lit["PARAMS"]["bwd_dq_bulk"] is True
+            assert "red_add_v2_f32(mdQacc" not in src
+            assert "bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)" in src
+            off = _render_with(v, bwd_dq_bulk=False)
+            assert "bulk_reduce_add_f32" not in off and "bwd_dq_bulk" not in _literals(off)["PARAMS"]
+
+
+def test_dq_bulk_staging_rows_are_bank_conflict_free_and_aligned():
+    """Row stride D + 8 words: the 8-byte stores of a half-warp (rows g = 0..3, column pairs t = 0..3 of
+    the wgmma accumulator) hit 16 distinct banks; rows start 16-byte aligned (bulk copy rule)."""
+    for d in (64, 128):
+        ld = d + 8
+        assert (ld * 4) % 16 == 0 and (d * 4) % 16 == 0
+        for c0 in range(0, d, 8):
+            banks = [((g * ld + c0 + 2 * t) % 32) // 2 for g in range(4) for t in range(4)]
+            assert len(set(banks)) == 16, (d, c0)
+
+
+def test_dq_bulk_order_of_wait_store_fence_barrier_issue(variants):
+    """The staging buffer's protocol in one_tile: the previous tile's bulk reads end (wait_group.read)
+    before the barrier that precedes the dQ wgmma; the stores of this tile come after that wgmma, then
+    the async-proxy fence and the barrier, then one thread per row issues and commits; the CTA waits for
+    every group before it exits."""
+    v = next(v for v in variants if v.route == "fp8_token" and v.param("causal") and not _is_det(v))
+    src = render_variant(v)
+    body = src[src.index("    def one_tile("):src.index("    def epilogue(")]
+    i_wait = body.index("cute.arch.cp_async_bulk_wait_group(0, read=True)")
+    i_gemm = body.index("self.gemm(tiled_mma_dq, acc_dQ")
+    i_store = body.index("cute.autovec_copy(v2, dst2)")
+    i_fence = body.index("cute.arch.fence_view_async_shared()", i_store)
+    i_bar = body.index("cute.arch.barrier(barrier_id=1", i_fence)
+    i_issue = body.index("bulk_reduce_add_f32(", i_bar)
+    i_commit = body.index("cute.arch.cp_async_bulk_commit_group()", i_issue)
+    assert i_wait < i_gemm < i_store < i_fence < i_bar < i_issue < i_commit
+    mma = src[src.index("    def mma("):src.index("    def load2(")]
+    assert mma.replace("@cute.jit", "").rstrip().endswith("cute.arch.cp_async_bulk_wait_group(0, read=False)")
+
+
+@pytest.mark.compile
+def test_compile_dq_bulk_bf16(variants, compile_sm90):
+    v = next(v for v in variants if v.route == "bf16" and v.param("causal") and not _is_det(v))
+    ptx = compile_sm90(v)
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert re.search(r"cp.async.bulk.wait_group.read\s+0;", ptx) and "cp.async.bulk.commit_group" in ptx
+    assert "red.global.add" not in ptx
