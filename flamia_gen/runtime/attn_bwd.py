@@ -31,7 +31,7 @@ import torch
 
 from .attn_fwd import _FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, kernel_key_align, longest_first
 
-SUPPORTED_HEAD_DIMS = (128,)
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def num_work(T: int, num_docs: int, tile_n: int) -> int:

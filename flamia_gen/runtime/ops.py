@@ -248,7 +248,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     """Packed low-precision attention with autograd: BF16 o (T, HQ, D).
 
     q (T, HQ, D), k, v (T, HKV, D) BF16 on one CUDA device (non-contiguous inputs are copied),
-    HQ a multiple of HKV, D 64 or 128 (the sm90 kernels are built for 128 today);
+    HQ a multiple of HKV, D 64 or 128 (sm90 kernels for both since 2026-11-29);
     cu_seqlens int32 (num_docs + 1) on the same device, cu_seqlens[0] = 0, cu_seqlens[-1] = T,
     non-decreasing (values are not checked: that would sync); max_seqlen ≥ the longest document
     (a dispatch hint: it picks the kernel, never changes the result's masking).

@@ -25,7 +25,7 @@ from flamia_gen.spec import load_specs
 def variants():
     plan = make_plan(load_specs(), arch="sm90")
     vs = [v for v in plan.variants if v.kind.value == "attn_bwd"]
-    assert len(vs) == 8
+    assert len(vs) == 16  # 2 routes × causal/non-causal × det/not × D = 64, 128
     return vs
 
 

@@ -42,18 +42,11 @@ def _is_det(v) -> bool:
     return bool(dict(v.params).get("deterministic", False))  # only deterministic variants carry the key
 
 
-def test_family_expands_to_eight_variants(variants):
+def test_family_expands_to_eight_variants_per_head_dim(variants):
     names = sorted(v.name for v in variants)
-    assert names == [
-        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first",
-        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_det",
-        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_det_noncausal",
-        "attn_bwd_sm90_bf16_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
-        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first",
-        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_det",
-        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_det_noncausal",
-        "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first_noncausal",
-    ]
+    assert names == sorted(
+        f"attn_bwd_sm90_{r}_d{d}_m64n128_s2_wg2_preg_longest_first{det}{nc}"
+        for r in ("bf16", "fp8_token") for d in (64, 128) for det in ("", "_det") for nc in ("", "_noncausal"))
     assert all(_is_det(v) == ("_det" in v.name) for v in variants)
 
 
@@ -98,7 +91,7 @@ def _render_with(v, **over):
 def test_non_deterministic_render_has_no_semaphore_code(variants):
     """`deterministic` false or absent renders today's kernel: no semaphore, no new argument."""
     plain = [v for v in variants if not _is_det(v)]
-    assert len(plain) == 4
+    assert len(plain) == 8  # 2 routes × causal/non-causal × D = 64, 128
     for v in plain:
         src = render_variant(v)
         assert "deterministic" not in v.context
@@ -224,7 +217,7 @@ def test_check_inputs_ok():
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda x: x.update(q=x["q"].to(torch.int32)), "q: dtype"),
-    (lambda x: x.update(q=torch.zeros(40, 4, 64, dtype=torch.uint8)), "unsupported head dim"),
+    (lambda x: x.update(q=torch.zeros(40, 4, 96, dtype=torch.uint8)), "unsupported head dim"),
     (lambda x: x.update(k=torch.zeros(40, 3, 128, dtype=torch.uint8)), "k: HQ=4 is not a multiple of HKV=3"),
     (lambda x: x.update(v=torch.zeros(40, 4, 128, dtype=torch.uint8)), "v: shape"),
     (lambda x: x.update(do=torch.zeros(41, 4, 128, dtype=torch.uint8)), "do: shape"),

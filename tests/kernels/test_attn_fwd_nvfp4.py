@@ -36,11 +36,13 @@ ROUTE = "nvfp4_mixed"
 TAIL = ["cu_seqlens", "work", "softmax_scale", "o", "lse"]
 
 
-def _family_variants(routes):
-    """The sm90 forward family of the shipped specs, its routes replaced by `routes`."""
+def _family_variants(routes, head_dim=128):
+    """The sm90 forward family of the shipped specs, its routes replaced by `routes`, at one head dim
+    (D = 64 renders the same code at other sizes: the diff tests below pin D = 128)."""
     specs = load_specs()
     fam = specs.families["attn_fwd_sm90"]
-    return expand_family(fam.model_copy(update={"routes": list(routes)}), specs).variants
+    return [v for v in expand_family(fam.model_copy(update={"routes": list(routes)}), specs).variants
+            if v.param("head_dim") == head_dim]
 
 
 def _shipped_routes():
@@ -66,6 +68,7 @@ def test_route_shipped_and_variants_expand():
     the same tile points as the FP8 routes, per-key V on causal."""
     assert ROUTE in _shipped_routes()
     assert len(MIXED) == 8
+    assert len(_family_variants([ROUTE], head_dim=64)) == 10  # D = 64 also fits m192n192
     assert {(v.param("tile_m"), v.param("tile_n")) for v in MIXED} == {(128, 128), (128, 192), (192, 128)}
     sg = get_route(ROUTE).forward_safeguards
     assert tuple(sg(True)) == (False, True, False) and tuple(sg(False)) == (False, False, False)

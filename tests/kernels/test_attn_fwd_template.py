@@ -572,9 +572,13 @@ def test_exp_poly_frac_render_and_accuracy(frac, quarters):
 
 def test_three_consumer_warpgroups_render_registers_and_tiling():
     w3 = [v for v in VARIANTS if v.param("compute_warpgroups") == 3]
-    assert w3 and all(v.param("tile_m") == 192 and v.param("tile_n") == 128 and not v.param("intra_wg_overlap")
-                      for v in w3)
-    assert {v.route for v in w3} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed"}  # bf16 m192: smem
+    assert w3 and all(v.param("tile_m") == 192 and not v.param("intra_wg_overlap") for v in w3)
+    # D = 128: m192n128 only (n192: registers), and not BF16 (shared memory); D = 64 fits all of them
+    w3_128 = [v for v in w3 if v.param("head_dim") == 128]
+    assert all(v.param("tile_n") == 128 for v in w3_128)
+    assert {v.route for v in w3_128} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed"}
+    assert {(v.route, v.param("tile_n")) for v in w3 if v.param("head_dim") == 64} == {
+        (r, n) for r in ("bf16", "fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed") for n in (128, 192)}
     for v in w3:
         src = render_variant(v)
         lit = _literals(src)["PARAMS"]

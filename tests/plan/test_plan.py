@@ -192,4 +192,4 @@ def test_deterministic_backward_needs_a_persistent_scheduler():
     assert check_attn_bwd(Arch.sm90, 1, dict(p, scheduler="longest_first"))[0]
     plan = make_plan(load_specs(), arch="sm90", kinds=["attn_bwd"])
     det = [v.name for v in plan.variants if "_det" in v.name]
-    assert len(det) == 4 and all("longest_first" in n for n in det)
+    assert len(det) == 8 and all("longest_first" in n for n in det)  # 2 routes × causal × D = 64, 128

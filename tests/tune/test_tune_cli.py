@@ -102,11 +102,23 @@ def test_untuned_generation_matches_the_shipped_file(run, tmp_path):
     (("--workloads", "4y4096"), "is not N or COUNTxLEN"),
     (("--route", "nope"), "match no variant"),
     (("--storage", "nosuchdb://x"), "cannot open storage"),
-    (("--kind", "attn_bwd", "--head-dim", "64"), "nothing to tune"),  # no D=64 backward yet
 ])
 def test_bad_input_exits_2_with_one_line(run, args, msg):
     res = run("tune", "--arch", "sm90", "--runner", "fake", *args)
     assert res.exit_code == 2 and msg in res.output
+
+
+def test_empty_selection_is_nothing_to_tune(run, tmp_path):
+    """A kind/head-dim pair the specs do not build (here a specs copy whose backward has D = 128 only)."""
+    import shutil
+
+    specs = tmp_path / "specs"
+    shutil.copytree(REPO / "specs", specs)
+    p = specs / "kernels" / "attn_bwd_sm90.yaml"
+    p.write_text(p.read_text().replace("head_dims: [128, 64]", "head_dims: [128]"))
+    res = run("tune", "--arch", "sm90", "--runner", "fake", "--specs", str(specs), "--kind", "attn_bwd",
+              "--head-dim", "64")
+    assert res.exit_code == 2 and "nothing to tune" in res.output
 
 
 def test_gpu_runner_without_a_gpu_says_what_to_do(run, monkeypatch):
