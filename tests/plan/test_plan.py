@@ -193,3 +193,20 @@ def test_deterministic_backward_needs_a_persistent_scheduler():
     plan = make_plan(load_specs(), arch="sm90", kinds=["attn_bwd"])
     det = [v.name for v in plan.variants if "_det" in v.name]
     assert len(det) == 8 and all("longest_first" in n for n in det)  # 2 routes × causal × D = 64, 128
+
+
+def test_backward_smem_counts_the_dq_staging_tile():
+    """Non-deterministic backward variants stage the fp32 dQ tile (tile_m × (D + 8) words) for the bulk
+    reduce-add; the estimate counts it, which keeps BF16 at 2 stages (3 stages: 239232 B > the H200's
+    232448 B) and lets FP8 have 3."""
+    from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes, check_attn_bwd
+
+    p = dict(head_dim=128, tile_m=64, tile_n=128, stages=2, compute_warpgroups=2, p_in_registers=True,
+             intra_wg_overlap=False, causal=True, scheduler="longest_first")
+    det = attn_bwd_smem_bytes(dict(p, deterministic=True), 2)
+    plain = attn_bwd_smem_bytes(p, 2)
+    assert plain - det == 64 * (128 + 8) * 4 + 128
+    assert attn_bwd_smem_bytes(p, 1) < plain <= SMEM_LIMIT[Arch.sm90]
+    ok, why = check_attn_bwd(Arch.sm90, 2, dict(p, stages=3))
+    assert not ok and "239232" in why
+    assert check_attn_bwd(Arch.sm90, 1, dict(p, stages=3))[0]
