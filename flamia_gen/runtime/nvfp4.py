@@ -38,10 +38,26 @@ def dequantize_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} are not (T, H, D/2) and "
                          f"(T, H, D/{NVFP4_BLOCK})")
     T, H, half = codes.shape
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(T, H, scales.shape[2], NVFP4_BLOCK)
-    sb = scales.view(torch.float8_e4m3fn).to(torch.float32)  # exact decode; 0x7F/0xFF → NaN
-    return (table[nib.long()] * sb.unsqueeze(-1)).view(T, H, 2 * half).to(torch.bfloat16)
+    # one gather of a 256-entry (byte → two BF16 values) table with int32 indices, then one BF16 multiply
+    # by the block scale: the product is exact in BF16 (≤ 6 significant bits), so BF16 arithmetic rounds
+    # nothing. (Was: nibble stack, int64 indices, fp32 values: ~4× the memory traffic, 8-byte indices.)
+    pairs = torch.nn.functional.embedding(codes.reshape(-1).to(torch.int32), _pair_table(codes.device))
+    sb = scales.view(torch.float8_e4m3fn).to(torch.bfloat16)  # exact (E4M3 ⊂ BF16); 0x7F/0xFF → NaN
+    return (pairs.view(T, H, scales.shape[2], NVFP4_BLOCK) * sb.unsqueeze(-1)).view(T, H, 2 * half)
+
+
+_PAIR_TABLES: dict = {}
+
+
+def _pair_table(device) -> torch.Tensor:
+    """(256, 2) BF16: byte b → (E2M1 value of its low nibble, of its high nibble)."""
+    key = str(device)
+    t = _PAIR_TABLES.get(key)
+    if t is None:
+        v = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16)
+        b = torch.arange(256)
+        t = _PAIR_TABLES[key] = torch.stack([v[b & 0xF], v[b >> 4]], dim=-1).to(device)
+    return t
 
 
 def mixed_qk_inputs(q: Mapping[str, torch.Tensor], k: Mapping[str, torch.Tensor]) -> dict:

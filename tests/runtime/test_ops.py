@@ -528,11 +528,12 @@ def test_deterministic_flag_is_checked_and_reaches_the_backward(monkeypatch, tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact"])
+@pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact", "nvfp4_mixed"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_token_block_forward_op_equals_the_verified_kernel_call(route, causal):
     """The op's own quantizer launches (token-block codes, per-token Q for mxfp8_exact, the
-    per-token K / Vᵀ copies of the diagonal tiles: runtime.attention.fp8_forward_inputs) give
+    per-token K / Vᵀ copies of the diagonal tiles, NVFP4 Q/K dequantized to BF16 with the tensor
+    scales as a device scalar for nvfp4_mixed: runtime.attention.fp8_forward_inputs) give
     bitwise the output of the same kernel fed by the emulator's quantization (what `verify`
     checks against the emulator), and the exact route's earlier rows ignore a later token."""
     from flamia_gen.runtime.attention import _pick_cached, doc_profile
