@@ -42,13 +42,13 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     q, k, v, cu = make_qkv(lens, a.heads, a.heads, entry["params"]["head_dim"], "gauss", g, "cuda")
     if entry["kind"] == "attn_fwd":
-        from ..runtime.attn_fwd import make_work_list, run_attn_fwd
+        from ..runtime.attn_fwd import fwd_schedule, run_attn_fwd
 
         p = entry["params"]
         ins = kernel_inputs(route, q, k, v, cu, entry["params"])
-        work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+        sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
         fn = b.get(entry["name"])
-        call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, work=work, **ins)  # noqa: E731
+        call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, schedule=sch, **ins)  # noqa: E731
     else:
         from ..runtime.ops import backward_with
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..dispatch import DocProfile, Dispatcher
-from .attn_fwd import _is_fp8_spec, kernel_key_align, make_work_list, run_attn_fwd
+from .attn_fwd import _is_fp8_spec, fwd_schedule, kernel_key_align, run_attn_fwd
 from .bundle import Bundle, load_bundle
 from .nvfp4 import mixed_qk_inputs
 from .quant import run_quantizer
@@ -142,11 +142,12 @@ def _cached_work(cu: torch.Tensor, key: tuple, build) -> torch.Tensor:
     return work
 
 
-def _work_list(cu: torch.Tensor, T: int, params: dict) -> torch.Tensor:
-    """The forward's longest-first work list, cached (`_cached_work`)."""
+def _fwd_schedule(cu: torch.Tensor, T: int, params: dict):
+    """The forward's schedule (documents and windows, work list, per-token document bounds:
+    runtime.attn_fwd.fwd_schedule), cached like the work lists (`_cached_work`)."""
     tile_m, tile_n, causal = params["tile_m"], params.get("tile_n"), params["causal"]
     return _cached_work(cu, ("fwd", T, tile_m, tile_n, causal),
-                        lambda: make_work_list(cu, tile_m, causal, T=T, tile_n=tile_n))
+                        lambda: fwd_schedule(cu, tile_m, causal, T=T, tile_n=tile_n))
 
 
 def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -182,11 +183,11 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     if not _is_fp8_spec(fwd["args"]):
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
-                              work=_work_list(cu_seqlens, T, fwd["params"]))
+                              schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]))
     else:
         ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile)
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
-                              softmax_scale=scale, work=_work_list(cu_seqlens, T, fwd["params"]))
+                              softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]))
     return (o, lse) if return_lse else o
 
 

@@ -4,15 +4,21 @@ Needs only torch (no CuTe DSL): builds the longest-first work list on the device
 ops (no host synchronisation, so a call is CUDA-graph capturable), checks inputs cheaply,
 allocates the outputs and calls the ahead-of-time compiled tvm-ffi function.
 
-Work list: one row (doc, m_block, 0) per document-local query tile, sorted by descending
+Work list: one row (doc, m_block, window) per document-local query tile, sorted by descending
 work (key tiles the tile visits), padded with (-1, -1, -1) to the static bound
 NUM_WORK = ceil(T / tile_m) + NUM_DOCS (Σ_d ceil(len_d / tile_m) never exceeds it).
+
+Windows (`fwd_schedule`): documents shorter than a query tile that start in the same tile_m-token
+chunk of the packed row are merged into one *window* (a contiguous run of whole documents), which
+the kernel runs as one pseudo-document whose tiles are all masked and whose rows see only their own
+document (`row_doc`: each token's document [start, end)). 131072 one-token documents then take 1024
+query tiles instead of 131072.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -74,6 +80,53 @@ def longest_first(tiles: torch.Tensor, nw: int, cost) -> torch.Tensor:
     work = torch.stack([torch.where(valid, doc, neg), torch.where(valid, block, neg),
                         torch.where(valid, torch.zeros_like(idx), neg)], dim=1)
     return work[order].to(torch.int32).contiguous()
+
+
+class FwdSchedule(NamedTuple):
+    """What the forward kernel is launched over: `cu` int32 (NUM_DOCS + 1) the work list's documents
+    (real documents and windows, padded with T), `work` int32 (NUM_WORK, 3) (doc of `cu`, m_block,
+    window flag), `row_doc` int32 (T, 2) every token's real document [start, end)."""
+    cu: torch.Tensor
+    work: torch.Tensor
+    row_doc: torch.Tensor
+
+
+def fwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
+                 tile_n: int | None = None, windows: bool = True) -> FwdSchedule:
+    """The forward's documents, work list and per-token document bounds, on cu_seqlens' device with
+    torch ops of static shapes (no host synchronisation once T is given).
+
+    Windows: a document shorter than tile_m joins the window of the chunk its start falls in
+    (chunk = start // tile_m); consecutive such documents of one chunk are contiguous (a longer
+    document that starts in the chunk ends past it), so a window is a run of whole documents,
+    shorter than 2·tile_m. A window of one document is that document (flag 0). `windows=False`
+    gives the per-document schedule."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be 1-D with at least 2 entries (num_docs + 1)")
+    cu = cu_seqlens.to(torch.int64)
+    if T is None:
+        T = int(cu[-1].item())
+    starts, ends = cu[:-1], cu[1:]
+    lens = (ends - starts).clamp(min=0)
+    nd = lens.numel()
+    row_doc = torch.repeat_interleave(torch.stack([starts, ends], dim=1), lens, dim=0, output_size=T)
+    row_doc = row_doc.to(torch.int32).contiguous()
+    if not windows:
+        return FwdSchedule(cu_seqlens, make_work_list(cu_seqlens, tile_m, causal, T=T, tile_n=tile_n), row_doc)
+    short = lens < tile_m
+    chunk = torch.where(short, starts // tile_m, -1 - torch.arange(nd, device=cu.device))  # long: own group
+    new = torch.ones(nd, dtype=torch.bool, device=cu.device)
+    new[1:] = chunk[1:] != chunk[:-1]
+    group = torch.cumsum(new.to(torch.int64), 0) - 1  # pseudo-document of each document
+    pcu = torch.full((nd + 1,), T, dtype=torch.int64, device=cu.device)
+    pcu.scatter_reduce_(0, group, starts, reduce="amin")  # first start of each group; unused entries stay T
+    members = torch.zeros(nd + 1, dtype=torch.int64, device=cu.device).scatter_add_(0, group, torch.ones_like(group))
+    flag = (members[:nd] > 1).to(torch.int64)  # per pseudo-document: a window of ≥ 2 documents
+    pcu32 = pcu.to(torch.int32)
+    work = make_work_list(pcu32, tile_m, causal, T=T, tile_n=tile_n).to(torch.int64)
+    valid = work[:, 0] >= 0
+    work[:, 2] = torch.where(valid, flag[work[:, 0].clamp(min=0)], work[:, 2])
+    return FwdSchedule(pcu32.contiguous(), work.to(torch.int32).contiguous(), row_doc)
 
 
 def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -221,7 +274,7 @@ def check_diag_inputs(diag: dict, params: dict, T: int, HKV: int, D: int, t_pad:
 
 def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
                  cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
-                 work: torch.Tensor | None = None, diag: dict | None = None,
+                 schedule: FwdSchedule | None = None, diag: dict | None = None,
                  qk_tensor_scale: torch.Tensor | None = None):
     """Call a compiled attention forward; returns (o BF16 (T, HQ, D), lse fp32 (HQ, T)).
 
@@ -232,7 +285,8 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     device: the kernel folds it into the softmax scale); bf16: q, k, v. `diag`: the per-token
     copies the token-block routes' diagonal tiles read (`diag_inputs_needed`: k_diag, k_diag_scale,
     v_t_diag, v_diag_scale). `poison` fills the outputs with NaN first, so a row the kernel never
-    writes shows up. `work` overrides the work list (tests)."""
+    writes shows up. `schedule` (`fwd_schedule` of these cu_seqlens and the variant's tiles) is built
+    here when not given (callers cache it per cu_seqlens)."""
     mode = fwd_mode(args_spec)
     fp8 = mode != "bf16"
     T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
@@ -254,9 +308,10 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
         lse = torch.empty((HQ, T), dtype=torch.float32, device=dev)
     if T == 0:
         return o, lse
-    if work is None:
-        work = make_work_list(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
-    by_name = {"cu_seqlens": cu_seqlens, "work": work, "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
+    if schedule is None:
+        schedule = fwd_schedule(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
+    by_name = {"cu_seqlens": schedule.cu, "row_doc": schedule.row_doc, "work": schedule.work,
+               "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
     if mode == "qk_bf16":
         by_name.update(q=q, k=k, v_t=_as_e4m3(v), v_scale=v_scale, qk_tensor_scale=qk_tensor_scale)
         by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
@@ -277,6 +332,6 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     return o, lse
 
 
-__all__ = ["make_work_list", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
+__all__ = ["make_work_list", "fwd_schedule", "FwdSchedule", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
            "fwd_mode",
            "SUPPORTED_HEAD_DIMS", "DIAG_INPUTS", "diag_inputs_needed", "check_diag_inputs"]

@@ -156,7 +156,7 @@ class AttnFwdHook:
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
 
-        from ..runtime.attn_fwd import make_work_list, run_attn_fwd
+        from ..runtime.attn_fwd import fwd_schedule, run_attn_fwd
         from ..spec import get_route
         from ..verify.attn_gpu import kernel_inputs, make_qkv
 
@@ -172,10 +172,10 @@ class AttnFwdHook:
                                        dev)
                 ins = kernel_inputs(route, q, k, v, cu, entry["params"])
                 p = entry["params"]
-                # the work list is per row, not per call: build it outside the timer
-                work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
-                calls.append(lambda ins=ins, cu=cu, work=work: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
-                                                                            params=p, work=work, **ins))
+                # the schedule is per row, not per call (the op caches it): build it outside the timer
+                sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+                calls.append(lambda ins=ins, cu=cu, sch=sch: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
+                                                                          params=p, schedule=sch, **ins))
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 

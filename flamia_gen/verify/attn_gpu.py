@@ -18,7 +18,7 @@ from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
 from ..bench.flops import attention_flops
 from ..runtime.attention import assemble_forward_inputs
-from ..runtime.attn_fwd import kernel_key_align, make_work_list, run_attn_fwd
+from ..runtime.attn_fwd import fwd_schedule, kernel_key_align, run_attn_fwd
 from .cpu import expected_o_cosine
 from ..spec import get_route
 from ..spec.enums import Granularity
@@ -104,8 +104,10 @@ def run_kernel(fn, entry, route, q, k, v, cu, poison=True):
 
 
 def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3) -> dict:
-    """Perturb token `pos` of a document: every earlier row of that document and every row
-    of every other document must not move (rows pos..end of its document may)."""
+    """Perturb token `pos` of a document: every row of every other document must not move, nor,
+    causal, any earlier row of that document (rows pos..end of its document may; non-causal, the
+    whole document may). On tiny-document inputs the perturbed documents sit in forward windows
+    (runtime.attn_fwd.fwd_schedule) with other documents: the probe checks the window's masks."""
     o0, _ = run_kernel(fn, entry, route, q, k, v, cu)
     lens = (cu[1:] - cu[:-1]).tolist()
     docs = [i for i, n in enumerate(lens) if n >= 64]
@@ -115,7 +117,7 @@ def probe_kernel(fn, entry, route, q, k, v, cu, factor=1e4, n_positions=3) -> di
         start, end = int(cu[d]), int(cu[d + 1])
         pos = start + (end - start) * (i + 1) // (n_positions + 1)
         keep = torch.ones(o0.shape[0], dtype=torch.bool, device=o0.device)
-        keep[pos:end] = False
+        keep[(pos if entry["params"]["causal"] else start):end] = False
         for which in ("q", "k", "v"):
             t = dict(q=q, k=k, v=v)
             t[which] = t[which].clone()
@@ -160,7 +162,7 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
             and lse_inf_ok
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
                    nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_rel_err=lse_err, lse_inf_ok=lse_inf_ok)
-        if probe and kind == "gauss" and causal:
+        if probe and kind in ("gauss", "tiny_docs"):
             row.update(probe_kernel(fn, entry, route, q, k, v, cu))
             if route.exact:
                 ok = ok and row["probe_exact"]
@@ -195,14 +197,14 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
             q, k, v, cu = make_qkv(doc_lens, heads, heads, d, "gauss", gen, "cuda")
             ins = kernel_inputs(route, q, k, v, cu, entry["params"])
             p = entry["params"]
-            work = make_work_list(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
-            sets.append((ins, cu, work))
+            sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+            sets.append((ins, cu, sch))
         if inputs_cache is not None:
             inputs_cache[key] = sets
 
     def caller(i):
-        ins, cu, work = sets[i]
-        return lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], work=work, **ins)
+        ins, cu, sch = sets[i]
+        return lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], schedule=sch, **ins)
 
     st = time_cuda([caller(i) for i in range(len(sets))], warmup=5, repeats=iters, measure_memory=False)
     fl = attention_flops(doc_lens, heads, d, causal=entry["params"]["causal"])

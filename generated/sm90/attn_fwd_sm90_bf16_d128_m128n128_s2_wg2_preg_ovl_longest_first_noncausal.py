@@ -64,6 +64,7 @@ ARGS = [
     {"name": "k", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "in"},
     {"name": "v", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
+    {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
     {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "o", "dtype": "bfloat16", "shape": ["T", "HQ", "D"], "role": "out"},
@@ -193,17 +194,20 @@ class LongestFirstScheduler:
     @staticmethod
     @cute.jit
     def decode(unit, mWork, mCu, HQ):
-        """(doc, m_block, head, doc_start, doc_len); doc < 0 marks a padding entry."""
+        """(doc, m_block, head, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
+        document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
+        short documents that the runtime merged (runtime.attn_fwd.fwd_schedule)."""
         item = unit // HQ
         head = unit - item * HQ
         doc = mWork[item, 0]
         m_block = mWork[item, 1]
+        window = mWork[item, 2]
         doc_start = Int32(0)
         doc_len = Int32(0)
         if doc >= 0:
             doc_start = mCu[doc]
             doc_len = mCu[doc + 1] - doc_start
-        return doc, m_block, head, doc_start, doc_len
+        return doc, m_block, head, doc_start, doc_len, window
 
 
 def key_tiling(m_block, doc_start, doc_len):
@@ -315,7 +319,7 @@ class AttnFwdSm90:
     def __call__(self, mQ: cute.Tensor,
                  mK: cute.Tensor,
                  mV: cute.Tensor,
-                 mCu: cute.Tensor, mWork: cute.Tensor, softmax_scale: Float32,
+                 mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, softmax_scale: Float32,
                  mO: cute.Tensor, mLSE: cute.Tensor, stream: cuda.CUstream):
         self._setup_attributes()
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -350,15 +354,15 @@ class AttnFwdSm90:
         scale_log2 = softmax_scale * Float32(LOG2E)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            mCu, mWork, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
+            mCu, mWork, mRowDoc, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
                tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
-               mCu: cute.Tensor, mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+               mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -398,7 +402,7 @@ class AttnFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_qk, tiled_mma_pv,
-                     mCu, mWork, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
+                     mCu, mWork, mRowDoc, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
                      tidx - 128, HQ, num_units)
 
     # -----------------------------------------------------------------------------------
@@ -416,8 +420,10 @@ class AttnFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, m_block, head, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
+            doc, m_block, head, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
             key_base, delta, nblk, n_mask, n_lo = key_tiling(m_block, doc_start, doc_len)
+            if window != 0:
+                n_mask, n_lo = Int32(0), Int32(0)  # window: every tile masked (rows see their own document only)
             if (doc >= 0) & (m_block * self.tile_m < doc_len) & (nblk > 0):
                 hkv = head // (HQ // HKV)
                 gQ = cute.local_tile(cute.domain_offset((doc_start + m_block * self.tile_m, 0), mQ[None, None, head]),
@@ -451,6 +457,10 @@ class AttnFwdSm90:
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # padding entries come last in the work list (longest-first order) and this CTA's units
+                # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
+                unit = num_units
 
     @cute.jit
     def load_k(self, tma_atom_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, pipe_k, kv_state,
@@ -464,7 +474,7 @@ class AttnFwdSm90:
     # -----------------------------------------------------------------------------------
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-            mCu: cute.Tensor, mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+            mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sScale: cute.Tensor, sO: cute.Tensor,
             pipe_q, pipe_k, pipe_v, scale_log2: Float32, tidx: Int32, HQ: Int32, num_units: Int32):
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -484,6 +494,7 @@ class AttnFwdSm90:
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_q = cute.make_rmem_tensor((2,), Float32)
+        row_lim = cute.make_rmem_tensor((4,), Int32)  # per row: first visible key, end of visible keys
 
         T = mO.shape[0]
         # Ping-pong (FA3): every GEMM issue phase is sched_wait(wg) … sched_signal(wg); both
@@ -495,14 +506,25 @@ class AttnFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, m_block, head, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
+            doc, m_block, head, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
             key_base, delta, nblk, n_mask, n_lo = key_tiling(m_block, doc_start, doc_len)
+            if window != 0:
+                n_mask, n_lo = Int32(0), Int32(0)  # as the producer: every tile masked
             if (doc >= 0) & (m_block * self.tile_m < doc_len) & (nblk > 0):
                 q0 = doc_start + m_block * self.tile_m
                 row0 = m_block * self.tile_m  # document-local position of the tile's row 0
                 for rh in cutlass.range_constexpr(2):
                     row_max[rh] = -Float32.inf
                     row_sum[rh] = Float32(0.0)
+                    # visible keys of the row: [row_lim[rh], row_lim[2 + rh]) (local to doc_start); a window's
+                    # row sees only its own document (row_doc: the token's document [start, end), global)
+                    row_lim[rh] = Int32(0)
+                    row_lim[2 + rh] = doc_len
+                    if window != 0:
+                        rtok = q0 + tScS[2 * rh][0]
+                        if rtok < doc_start + doc_len:
+                            row_lim[rh] = mRowDoc[rtok, 0] - doc_start
+                            row_lim[2 + rh] = mRowDoc[rtok, 1] - doc_start
                     row_q[rh] = scale_log2
                 acc_O.fill(0.0)
                 # Tiles in key_tiling's order; a tile is passed as key0 = n·tile_n − delta, the
@@ -511,22 +533,26 @@ class AttnFwdSm90:
                 n_hi = nblk - n_mask
                 pipe_q.consumer_wait(q_state)
                 kv_state = self.first_tile(tiled_mma_qk, tSrQ, tSrK, tOrP, tScS, sScale, pipe_k, kv_state,
-                                           row_max, row_sum, row_q, (nblk - 1) * self.tile_n - delta, row0, doc_len,
+                                           row_max, row_sum, row_q, (nblk - 1) * self.tile_n - delta, row0, row_lim,
                                            wg)
                 for i in cutlass.range(n_hi - 1 + n_lo, unroll=1):
                     n = nblk - 2 - i
                     kv_state = self.overlap_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                                  sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                                 n * self.tile_n - delta, row0, doc_len, True, wg)
+                                                 n * self.tile_n - delta, row0, row_lim, True, wg)
                 for i in cutlass.range(n_mask - n_lo, unroll=1):
                     kv_state = self.overlap_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                                  sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                                 (n_mask - 1 - i) * self.tile_n - delta, row0, doc_len, False, wg)
+                                                 (n_mask - 1 - i) * self.tile_n - delta, row0, row_lim, False, wg)
                 pipe_q.consumer_release(q_state)
                 kv_state = self.last_pv(tiled_mma_pv, tOrP, tOrV, acc_O, pipe_v, kv_state, wg)
                 q_state.advance()
                 self.epilogue(acc_O, tOcO, row_max, row_sum, mO, mLSE, sO, q0, row0, doc_len, head, wg, tidx)
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # padding entries come last in the work list (longest-first order) and this CTA's units
+                # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
+                unit = num_units
 
     @cute.jit
     def sched_wait(self, wg: Int32):
@@ -552,7 +578,7 @@ class AttnFwdSm90:
     @cute.jit
     def softmax(self, acc_S: cute.Tensor, tScS: cute.Tensor, sScale: cute.Tensor, stage: Int32,
                 row_max: cute.Tensor, row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32,
-                doc_len: Int32, mask: cutlass.Constexpr[bool]):
+                row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
         """Online softmax of one S tile in place (S → P as fp32); returns the O rescale factors.
 
         The running max m is an integer (ceil), as in the emulator: a move of m rescales O and l
@@ -574,7 +600,8 @@ class AttnFwdSm90:
                         # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
                         # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
                         key = col0 + kt + key_of_col(8 * cg + cp)
-                        if (key >= doc_len):
+                        # row_lim: [0, doc_len) of the document, or of the row's own document in a window
+                        if (key < row_lim[rh]) | (key >= row_lim[2 + rh]):
                             y = -Float32.inf
                     acc_S[i] = y
                     mx[rh] = fmax2(mx[rh], y)
@@ -622,7 +649,7 @@ class AttnFwdSm90:
     def one_tile(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ: cute.Tensor,
                  tSrK: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, acc_O: cute.Tensor, tScS: cute.Tensor,
                  sScale: cute.Tensor, pipe_k, pipe_v, kv_state, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 row_q: cute.Tensor, key0: Int32, row0: Int32, doc_len: Int32, mask: cutlass.Constexpr[bool]):
+                 row_q: cute.Tensor, key0: Int32, row0: Int32, row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
         """S = QKᵀ, softmax, O = O·scale + P·V for one key tile, no overlap."""
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)),
                                       Float32)
@@ -630,7 +657,7 @@ class AttnFwdSm90:
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
-        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, doc_len,
+        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, row_lim,
                                mask)
         self.convert_p(acc_S, tOrP)
         self.rescale_o(acc_O, scale_o)
@@ -644,7 +671,7 @@ class AttnFwdSm90:
     @cute.jit
     def first_tile(self, tiled_mma_qk: cute.TiledMma, tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrP: cute.Tensor,
                    tScS: cute.Tensor, sScale: cute.Tensor, pipe_k, kv_state, row_max: cute.Tensor,
-                   row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32, doc_len: Int32,
+                   row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32, row_lim: cute.Tensor,
                    wg: Int32):
         """Overlap prologue: S and P of the first key tile; its PV runs with the next QKᵀ."""
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)),
@@ -654,7 +681,7 @@ class AttnFwdSm90:
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
         self.sched_signal(wg)
         warpgroup.wait_group(0)
-        self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, doc_len, True)
+        self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, row_lim, True)
         pipe_k.consumer_release(kv_state)
         self.convert_p(acc_S, tOrP)
         return kv_state
@@ -663,7 +690,7 @@ class AttnFwdSm90:
     def overlap_tile(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ: cute.Tensor,
                      tSrK: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, acc_O: cute.Tensor,
                      tScS: cute.Tensor, sScale: cute.Tensor, pipe_k, pipe_v, kv_state, row_max: cute.Tensor,
-                     row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32, doc_len: Int32,
+                     row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32, row_lim: cute.Tensor,
                      mask: cutlass.Constexpr[bool], wg: Int32):
         """QKᵀ of tile n and PV of the previous tile in flight together; softmax of tile n
         runs while the PV finishes."""
@@ -679,7 +706,7 @@ class AttnFwdSm90:
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
-        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, doc_len,
+        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, row_lim,
                                mask)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -762,9 +789,10 @@ def compile_args():
     v = make_fake_compact_tensor(BFloat16, (t, hkv, 128), stride_order=row_major3, assumed_align=16)
     inputs = (q, k, v)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
+    row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
     o = make_fake_compact_tensor(BFloat16, (t, hq, 128), stride_order=row_major3, assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, cu, work, Float32(1.0), o, lse, stream)
+    args = (*inputs, cu, row_doc, work, Float32(1.0), o, lse, stream)
     return make_kernel(), args

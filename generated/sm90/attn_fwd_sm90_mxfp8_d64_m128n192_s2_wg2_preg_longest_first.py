@@ -76,6 +76,7 @@ ARGS = [
     {"name": "v_t_diag", "dtype": "float8_e4m3fn", "shape": ["HKV", "D", "T_PAD"], "role": "in"},
     {"name": "v_diag_scale", "dtype": "uint8", "shape": ["T", "HKV"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
+    {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
     {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "o", "dtype": "bfloat16", "shape": ["T", "HQ", "D"], "role": "out"},
@@ -205,17 +206,20 @@ class LongestFirstScheduler:
     @staticmethod
     @cute.jit
     def decode(unit, mWork, mCu, HQ):
-        """(doc, m_block, head, doc_start, doc_len); doc < 0 marks a padding entry."""
+        """(doc, m_block, head, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
+        document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
+        short documents that the runtime merged (runtime.attn_fwd.fwd_schedule)."""
         item = unit // HQ
         head = unit - item * HQ
         doc = mWork[item, 0]
         m_block = mWork[item, 1]
+        window = mWork[item, 2]
         doc_start = Int32(0)
         doc_len = Int32(0)
         if doc >= 0:
             doc_start = mCu[doc]
             doc_len = mCu[doc + 1] - doc_start
-        return doc, m_block, head, doc_start, doc_len
+        return doc, m_block, head, doc_start, doc_len, window
 
 
 def key_tiling(m_block, doc_start, doc_len):
@@ -333,7 +337,7 @@ class AttnFwdSm90:
                  mV: cute.Tensor,
                  mVs: cute.Tensor,
                  mVd: cute.Tensor, mVds: cute.Tensor,
-                 mCu: cute.Tensor, mWork: cute.Tensor, softmax_scale: Float32,
+                 mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, softmax_scale: Float32,
                  mO: cute.Tensor, mLSE: cute.Tensor, stream: cuda.CUstream):
         self._setup_attributes()
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -372,7 +376,7 @@ class AttnFwdSm90:
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
             mQs, mKs, mVs,
             tma_atom_vd, tma_vd, mVds,
-            mCu, mWork, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
+            mCu, mWork, mRowDoc, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -381,8 +385,8 @@ class AttnFwdSm90:
                tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
                mQs: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor,
                tma_atom_vd: cute.CopyAtom, mVd: cute.Tensor, mVds: cute.Tensor,
-               mCu: cute.Tensor, mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+               mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -426,7 +430,7 @@ class AttnFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_qk, tiled_mma_pv,
                      mQs,
-                     mCu, mWork, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
+                     mCu, mWork, mRowDoc, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
                      tidx - 128, HQ, num_units)
 
     # -----------------------------------------------------------------------------------
@@ -446,8 +450,10 @@ class AttnFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, m_block, head, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
+            doc, m_block, head, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
             key_base, delta, nblk, n_mask, n_lo = key_tiling(m_block, doc_start, doc_len)
+            if window != 0:
+                n_mask, n_lo = Int32(0), Int32(0)  # window: every tile masked (rows see their own document only)
             if (doc >= 0) & (m_block * self.tile_m < doc_len) & (nblk > 0):
                 hkv = head // (HQ // HKV)
                 gQ = cute.local_tile(cute.domain_offset((doc_start + m_block * self.tile_m, 0), mQ[None, None, head]),
@@ -500,6 +506,10 @@ class AttnFwdSm90:
                                   tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # padding entries come last in the work list (longest-first order) and this CTA's units
+                # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
+                unit = num_units
 
     @cute.jit
     def load_k(self, tma_atom_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, pipe_k, kv_state,
@@ -546,7 +556,7 @@ class AttnFwdSm90:
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             mQs: cute.Tensor,
-            mCu: cute.Tensor, mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+            mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sScale: cute.Tensor, sO: cute.Tensor,
             pipe_q, pipe_k, pipe_v, scale_log2: Float32, tidx: Int32, HQ: Int32, num_units: Int32):
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -565,20 +575,32 @@ class AttnFwdSm90:
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_q = cute.make_rmem_tensor((2,), Float32)
+        row_lim = cute.make_rmem_tensor((4,), Int32)  # per row: first visible key, end of visible keys
 
         T = mO.shape[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, m_block, head, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
+            doc, m_block, head, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HQ)
             key_base, delta, nblk, n_mask, n_lo = key_tiling(m_block, doc_start, doc_len)
+            if window != 0:
+                n_mask, n_lo = Int32(0), Int32(0)  # as the producer: every tile masked
             if (doc >= 0) & (m_block * self.tile_m < doc_len) & (nblk > 0):
                 q0 = doc_start + m_block * self.tile_m
                 row0 = m_block * self.tile_m  # document-local position of the tile's row 0
                 for rh in cutlass.range_constexpr(2):
                     row_max[rh] = -Float32.inf
                     row_sum[rh] = Float32(0.0)
+                    # visible keys of the row: [row_lim[rh], row_lim[2 + rh]) (local to doc_start); a window's
+                    # row sees only its own document (row_doc: the token's document [start, end), global)
+                    row_lim[rh] = Int32(0)
+                    row_lim[2 + rh] = doc_len
+                    if window != 0:
+                        rtok = q0 + tScS[2 * rh][0]
+                        if rtok < doc_start + doc_len:
+                            row_lim[rh] = mRowDoc[rtok, 0] - doc_start
+                            row_lim[2 + rh] = mRowDoc[rtok, 1] - doc_start
                     tok = q0 + tScS[2 * rh][0]
                     qc = Int32(0)
                     if tok < T:
@@ -596,15 +618,19 @@ class AttnFwdSm90:
                         n = Int32(0)
                     kv_state = self.one_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                              sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                             n * self.tile_n - delta, row0, doc_len, True)
+                                             n * self.tile_n - delta, row0, row_lim, True)
                 for i in cutlass.range(n_mask - n_lo, unroll=1):
                     kv_state = self.one_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                              sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                             (n_mask - 1 - i) * self.tile_n - delta, row0, doc_len, False)
+                                             (n_mask - 1 - i) * self.tile_n - delta, row0, row_lim, False)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 self.epilogue(acc_O, tOcO, row_max, row_sum, mO, mLSE, sO, q0, row0, doc_len, head, wg, tidx)
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # padding entries come last in the work list (longest-first order) and this CTA's units
+                # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
+                unit = num_units
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
@@ -620,7 +646,7 @@ class AttnFwdSm90:
     @cute.jit
     def softmax(self, acc_S: cute.Tensor, tScS: cute.Tensor, sScale: cute.Tensor, stage: Int32,
                 row_max: cute.Tensor, row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32,
-                doc_len: Int32, mask: cutlass.Constexpr[bool]):
+                row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
         """Online softmax of one S tile in place (S → P as fp32); returns the O rescale factors.
 
         The running max m is an integer (ceil), as in the emulator: a move of m rescales O and l
@@ -647,7 +673,8 @@ class AttnFwdSm90:
                         # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
                         # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
                         key = col0 + kt + key_of_col(8 * cg + cp)
-                        if (key < 0) | (key >= doc_len) | (key > row0 + tScS[2 * rh][0]):
+                        # row_lim: [0, doc_len) of the document, or of the row's own document in a window
+                        if (key < row_lim[rh]) | (key >= row_lim[2 + rh]) | (key > row0 + tScS[2 * rh][0]):
                             y = -Float32.inf
                     acc_S[i] = y
                     mx[rh] = fmax2(mx[rh], y)
@@ -732,14 +759,14 @@ class AttnFwdSm90:
     def one_tile(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ: cute.Tensor,
                  tSrK: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, acc_O: cute.Tensor, tScS: cute.Tensor,
                  sScale: cute.Tensor, pipe_k, pipe_v, kv_state, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 row_q: cute.Tensor, key0: Int32, row0: Int32, doc_len: Int32, mask: cutlass.Constexpr[bool]):
+                 row_q: cute.Tensor, key0: Int32, row0: Int32, row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
         """S = QKᵀ, softmax, O = O·scale + P·V for one key tile, no overlap."""
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)),
                                       Float32)
         pipe_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
         warpgroup.wait_group(0)
-        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, doc_len,
+        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, row_lim,
                                mask)
         pipe_k.consumer_release(kv_state)  # the per-key scales live in the K stage
         self.convert_p(acc_S, tOrP)
@@ -821,9 +848,10 @@ def compile_args():
     v_diag_scale = make_fake_compact_tensor(Uint8, (t, hkv), stride_order=(1, 0), assumed_align=1)
     inputs += (v_t_diag, v_diag_scale)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
+    row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
     o = make_fake_compact_tensor(BFloat16, (t, hq, 64), stride_order=row_major3, assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, cu, work, Float32(1.0), o, lse, stream)
+    args = (*inputs, cu, row_doc, work, Float32(1.0), o, lse, stream)
     return make_kernel(), args

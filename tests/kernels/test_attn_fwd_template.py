@@ -56,7 +56,7 @@ def test_render_deterministic_and_parses(v):
     assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
     assert lit["PARAMS"]["tile_n"] == v.param("tile_n")
     names = [x["name"] for x in lit["ARGS"]]
-    tail = ["cu_seqlens", "work", "softmax_scale", "o", "lse"]
+    tail = ["cu_seqlens", "row_doc", "work", "softmax_scale", "o", "lse"]
     if v.param("q_fmt") == "e4m3":
         from flamia_gen.runtime.attn_fwd import diag_inputs_needed
 
@@ -186,11 +186,13 @@ def test_run_attn_fwd_calls_in_args_order():
     o, lse = run_attn_fwd(fake, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"], x["v_scale"],
                           cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], poison=True)
     assert [a["name"] for a in lit["ARGS"]] == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale", "cu_seqlens",
-                                                "work", "softmax_scale", "o", "lse"]
+                                                "row_doc", "work", "softmax_scale", "o", "lse"]
     assert seen[0].dtype == torch.float8_e4m3fn and seen[4].dtype == torch.float8_e4m3fn
-    assert seen[7].shape == (num_work(40, 2, lit["PARAMS"]["tile_m"]), 3)
-    assert seen[8] == pytest.approx(128 ** -0.5)
-    assert seen[9] is o and seen[10] is lse
+    assert seen[7].shape == (40, 2) and seen[7].dtype == torch.int32  # documents [0, 10), [10, 40)
+    assert seen[7][:10].tolist() == [[0, 10]] * 10 and seen[7][10:].tolist() == [[10, 40]] * 30
+    assert seen[8].shape == (num_work(40, 2, lit["PARAMS"]["tile_m"]), 3)
+    assert seen[9] == pytest.approx(128 ** -0.5)
+    assert seen[10] is o and seen[11] is lse
     assert o.shape == (40, 4, 128) and o.dtype == torch.bfloat16 and torch.isnan(o.float()).all()
     assert lse.shape == (4, 40) and lse.dtype == torch.float32
 

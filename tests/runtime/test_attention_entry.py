@@ -52,18 +52,19 @@ def test_per_token_scales_layouts():
         per_token_scales(torch.zeros(5, 3, 4, dtype=torch.uint8), x)
 
 
-def test_work_list_cache_follows_the_tensor_not_its_memory():
-    from flamia_gen.runtime.attention import _work_list
+def test_forward_schedule_cache_follows_the_tensor_not_its_memory():
+    from flamia_gen.runtime.attention import _fwd_schedule
 
     params = {"tile_m": 128, "tile_n": 128, "causal": True}
     cu = torch.tensor([0, 300, 1000], dtype=torch.int32)
-    w1 = _work_list(cu, 1000, params)
-    assert _work_list(cu, 1000, params) is w1  # same live, unmodified tensor: reused
+    s1 = _fwd_schedule(cu, 1000, params)
+    assert _fwd_schedule(cu, 1000, params) is s1  # same live, unmodified tensor: reused
     cu[1] = 500  # in-place change bumps the version: rebuilt
-    w2 = _work_list(cu, 1000, params)
-    assert w2 is not w1 and not torch.equal(w1, w2)
+    s2 = _fwd_schedule(cu, 1000, params)
+    assert s2 is not s1 and not torch.equal(s1.work, s2.work) and not torch.equal(s1.row_doc, s2.row_doc)
     other = torch.tensor([0, 500, 1000], dtype=torch.int32)
-    assert torch.equal(_work_list(other, 1000, params), w2)
+    s3 = _fwd_schedule(other, 1000, params)
+    assert all(torch.equal(a, b) for a, b in zip(s3, s2))
 
 
 @pytest.mark.compile
