@@ -310,6 +310,13 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
         return o, lse
     if schedule is None:
         schedule = fwd_schedule(cu_seqlens, params["tile_m"], params["causal"], T=T, tile_n=params.get("tile_n"))
+    else:  # a schedule built for other rows or another tile_m would be read out of bounds or miss rows
+        nw = num_work(T, cu_seqlens.numel() - 1, params["tile_m"])
+        _need(tuple(schedule.cu.shape) == tuple(cu_seqlens.shape) and tuple(schedule.row_doc.shape) == (T, 2)
+              and tuple(schedule.work.shape) == (nw, 3), "schedule",
+              f"built for other documents or tiles (cu {tuple(schedule.cu.shape)}, row_doc "
+              f"{tuple(schedule.row_doc.shape)}, work {tuple(schedule.work.shape)}; expected "
+              f"{tuple(cu_seqlens.shape)}, {(T, 2)}, {(nw, 3)} for tile_m={params['tile_m']})")
     by_name = {"cu_seqlens": schedule.cu, "row_doc": schedule.row_doc, "work": schedule.work,
                "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
     if mode == "qk_bf16":

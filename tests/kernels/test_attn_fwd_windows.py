@@ -133,3 +133,21 @@ def test_a_cta_stops_at_the_first_padding_entry():
     s = fwd_schedule(_cu([1] * 5000), 128, True, T=5000)
     valid = (s.work[:, 0] >= 0).tolist()
     assert valid == sorted(valid, reverse=True) and sum(valid) == 40  # 40 windows, then padding only
+
+
+def test_run_attn_fwd_refuses_a_schedule_of_other_tiles():
+    from flamia_gen.runtime.attn_fwd import run_attn_fwd
+    from test_attn_fwd_template import VARIANTS, _fp8_inputs, _literals
+
+    v = next(v for v in VARIANTS if v.param("q_fmt") == "e4m3" and v.param("tile_m") == 128)
+    lit = _literals(render_variant(v))
+    x = _fp8_inputs()
+    good = fwd_schedule(x["cu_seqlens"], 128, True, T=40)
+    calls = []
+    run_attn_fwd(lambda *a: calls.append(a), lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
+                 x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], schedule=good)
+    assert len(calls) == 1
+    bad = fwd_schedule(x["cu_seqlens"], 16, True, T=40)  # another tile_m: more work rows
+    with pytest.raises(ValueError, match="schedule: built for other documents or tiles"):
+        run_attn_fwd(lambda *a: None, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
+                     x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], schedule=bad)
