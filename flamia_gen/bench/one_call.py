@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     from ..runtime.bundle import load_bundle
     from ..spec import get_route
-    from ..verify.attn_gpu import backward_setup, kernel_inputs, make_qkv
+    from ..verify.attn_gpu import backward_setup, make_qkv, timed_call_inputs
 
     if not a.bundle:
         ap.error("--bundle or $FLAMIA_GEN_BUNDLE is required")
@@ -42,13 +42,11 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     q, k, v, cu = make_qkv(lens, a.heads, a.heads, entry["params"]["head_dim"], "gauss", g, "cuda")
     if entry["kind"] == "attn_fwd":
-        from ..runtime.attn_fwd import fwd_schedule, run_attn_fwd
+        from ..runtime.attn_fwd import run_attn_fwd
 
-        p = entry["params"]
-        ins = kernel_inputs(route, q, k, v, cu, entry["params"])
-        sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
+        kw = timed_call_inputs(route, q, k, v, cu, entry["params"])
         fn = b.get(entry["name"])
-        call = lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=p, schedule=sch, **ins)  # noqa: E731
+        call = lambda: run_attn_fwd(fn, entry["args"], params=entry["params"], **kw)  # noqa: E731
     else:
         from ..runtime.ops import backward_with
 

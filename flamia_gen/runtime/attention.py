@@ -126,8 +126,8 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
 _WORK_CACHE: dict = {}
 
 
-def _cached_work(cu: torch.Tensor, key: tuple, build) -> torch.Tensor:
-    """`build()` (a work list of `cu`), reused while the same `cu_seqlens` tensor object is
+def _cached_work(cu: torch.Tensor, key: tuple, build):
+    """`build()` (a work list, schedule or offsets of `cu`), reused while the same `cu_seqlens` tensor object is
     unmodified (every attention layer of a step shares it): ~20 small launches saved per
     call. Keyed on the live object and its version counter, never on a data pointer
     (freed memory is reused); `key` holds the rest of what the list depends on."""

@@ -1,5 +1,5 @@
-"""Host side of the sm90 attention backward (`templates/sm90/attn_bwd.py.j2`). COMPILE-ONLY so far:
-the kernel has never run on a GPU (docs/kernels/attn_bwd.md).
+"""Host side of the sm90 attention backward (`templates/sm90/attn_bwd.py.j2`); runs on the H200
+since 2026-11-29 (docs/kernels/attn_bwd.md).
 
 Needs only torch (no CuTe DSL): builds the longest-first work list of key tiles on the device
 with torch ops (no host synchronisation, so a call is CUDA-graph capturable), checks inputs
@@ -11,7 +11,8 @@ tiles the key tile visits), padded with (-1, -1, -1) to NUM_WORK = ceil(T / tile
 (FP8 tiles start at doc_start rounded down to 16, which can add one key tile per document).
 A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
 summed over the GQA group in registers and written once (deterministic); dQ partials are
-reduce-added with fp32 atomics (not deterministic in the last bits; see the design doc).
+reduce-added in fp32 (bulk reduce-adds from shared memory, in no fixed order: not deterministic in
+the last bits; see the design doc).
 
 Deterministic variants (`deterministic: true` in the spec, `_det` in the name, ARGS with `dq_sem`)
 add the partials of each (query head, query tile) in increasing key-tile order behind an int32
@@ -19,7 +20,7 @@ semaphore: run_attn_bwd zeroes `dq_sem` (HQ, num_dq_tiles) and builds `dq_tile_o
 prefix of query-tile counts, `dq_tile_offsets`) on the device, both without a host sync. The
 ordering argument is in the template and in docs/kernels/attn_bwd.md ("Deterministic mode"); it needs
 the work list's order (a document's key tiles in increasing n) and a GPU with ≥ sm_count SMs.
-COMPILED AND CPU-TESTED ONLY: never run on a GPU yet.
+Bitwise reproducible on the H200 (runs and CUDA-graph replay, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                      do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                      do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"))
-    det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=kernel_key_align(fp8),
+    align = kernel_key_align(fp8)
+    det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem, dq_tile_off=dq_tile_off)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
@@ -213,11 +215,10 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
     if work is None:
         work = make_work_list(cu_seqlens, params["tile_m"], params["tile_n"], params["causal"],
-                              key_align=kernel_key_align(fp8), T=T)
+                              key_align=align, T=T)
     by_name = {"lse": lse, "delta": delta, "cu_seqlens": cu_seqlens, "work": work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
     if det:
-        align = kernel_key_align(fp8)
         if dq_sem is None:
             dq_sem = torch.zeros((HQ, num_dq_tiles(T, cu_seqlens.numel() - 1, params["tile_m"], align)),
                                  dtype=torch.int32, device=dev)

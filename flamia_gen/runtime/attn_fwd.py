@@ -92,15 +92,14 @@ class FwdSchedule(NamedTuple):
 
 
 def fwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
-                 tile_n: int | None = None, windows: bool = True) -> FwdSchedule:
+                 tile_n: int | None = None) -> FwdSchedule:
     """The forward's documents, work list and per-token document bounds, on cu_seqlens' device with
     torch ops of static shapes (no host synchronisation once T is given).
 
     Windows: a document shorter than tile_m joins the window of the chunk its start falls in
     (chunk = start // tile_m); consecutive such documents of one chunk are contiguous (a longer
     document that starts in the chunk ends past it), so a window is a run of whole documents,
-    shorter than 2·tile_m. A window of one document is that document (flag 0). `windows=False`
-    gives the per-document schedule."""
+    shorter than 2·tile_m. A window of one document is that document (flag 0)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be 1-D with at least 2 entries (num_docs + 1)")
     cu = cu_seqlens.to(torch.int64)
@@ -111,8 +110,6 @@ def fwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int 
     nd = lens.numel()
     row_doc = torch.repeat_interleave(torch.stack([starts, ends], dim=1), lens, dim=0, output_size=T)
     row_doc = row_doc.to(torch.int32).contiguous()
-    if not windows:
-        return FwdSchedule(cu_seqlens, make_work_list(cu_seqlens, tile_m, causal, T=T, tile_n=tile_n), row_doc)
     short = lens < tile_m
     chunk = torch.where(short, starts // tile_m, -1 - torch.arange(nd, device=cu.device))  # long: own group
     new = torch.ones(nd, dtype=torch.bool, device=cu.device)
@@ -319,15 +316,15 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
               f"{tuple(cu_seqlens.shape)}, {(T, 2)}, {(nw, 3)} for tile_m={params['tile_m']})")
     by_name = {"cu_seqlens": schedule.cu, "row_doc": schedule.row_doc, "work": schedule.work,
                "softmax_scale": float(softmax_scale), "o": o, "lse": lse}
+    if fp8:  # both 8-bit modes: the diagonal-tile copies (codes viewed as E4M3)
+        by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
     if mode == "qk_bf16":
         by_name.update(q=q, k=k, v_t=_as_e4m3(v), v_scale=v_scale, qk_tensor_scale=qk_tensor_scale)
-        by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
     elif fp8:
         if params.get("k_row_perm"):
             k = k_rows_for_tma(k, v.shape[2])
         by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
                        v_scale=v_scale)
-        by_name.update({n: (t if n.endswith("_scale") else _as_e4m3(t)) for n, t in diag.items()})
         if params.get("k_row_perm") and "k_diag" in diag:
             by_name["k_diag"] = _as_e4m3(k_rows_for_tma(diag["k_diag"], v.shape[2]))
     else:

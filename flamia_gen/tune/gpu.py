@@ -156,9 +156,9 @@ class AttnFwdHook:
     def time(self, bundle, entry: dict, workload, device: int, *, warmup: int = 5, repeats: int = 30) -> list[float]:
         import torch
 
-        from ..runtime.attn_fwd import fwd_schedule, run_attn_fwd
+        from ..runtime.attn_fwd import run_attn_fwd
         from ..spec import get_route
-        from ..verify.attn_gpu import kernel_inputs, make_qkv
+        from ..verify.attn_gpu import make_qkv, timed_call_inputs
 
         dev = torch.device("cuda", device)
         with torch.cuda.device(device):
@@ -170,12 +170,8 @@ class AttnFwdHook:
             for _ in range(2):  # two input sets: L2 (60 MB) does not hold the working set
                 q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
                                        dev)
-                ins = kernel_inputs(route, q, k, v, cu, entry["params"])
-                p = entry["params"]
-                # the schedule is per row, not per call (the op caches it): build it outside the timer
-                sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
-                calls.append(lambda ins=ins, cu=cu, sch=sch: run_attn_fwd(fn, entry["args"], cu_seqlens=cu,
-                                                                          params=p, schedule=sch, **ins))
+                kw = timed_call_inputs(route, q, k, v, cu, entry["params"])
+                calls.append(lambda kw=kw: run_attn_fwd(fn, entry["args"], params=entry["params"], **kw))
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 

@@ -91,7 +91,7 @@ def fail_orphaned_trials(specs: list["StudySpec"], storage) -> int:
 
 def engine_kwargs(url: str) -> dict:
     """SQLAlchemy engine arguments for a storage URL (SQLite: lock timeout, WAL; its folder made)."""
-    if not url.startswith("sqlite"):
+    if not is_sqlite(url):
         return {}
     path = url.split("///", 1)[1] if "///" in url else ""
     if path and path != ":memory:":

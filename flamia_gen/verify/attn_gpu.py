@@ -98,6 +98,14 @@ def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
     return assemble_forward_inputs(params or {"q_fmt": ops.q.format.value}, q, k, v, quant)
 
 
+def timed_call_inputs(route, q, k, v, cu, params: dict) -> dict:
+    """run_attn_fwd keyword arguments for timing a forward variant (PARAMS `params`) on one packed
+    row: the inputs quantized and the schedule built once, outside the timer (the op caches its
+    schedule per cu_seqlens). Shared by the tuner, `time_attn_entry` and `bench.one_call`."""
+    sch = fwd_schedule(cu, params["tile_m"], params["causal"], T=q.shape[0], tile_n=params.get("tile_n"))
+    return dict(kernel_inputs(route, q, k, v, cu, params), cu_seqlens=cu, schedule=sch)
+
+
 def run_kernel(fn, entry, route, q, k, v, cu, poison=True):
     ins = kernel_inputs(route, q, k, v, cu, entry["params"])
     return run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], poison=poison, **ins)
@@ -178,8 +186,8 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
 
 
 def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: dict | None = None) -> dict:
-    """Kernel-only time (inputs already quantized, work list built once outside the
-    timer), CUDA events, median; causal FLOPs.
+    """Kernel-only time (inputs already quantized, schedule built once outside the timer:
+    `timed_call_inputs`), CUDA events, median; causal FLOPs.
     `inputs_cache` (a dict the caller keeps) shares the input sets between variants of one
     route and shape (making them on the CPU costs seconds at T = 16384)."""
     from ..bench.timing import time_cuda
@@ -195,16 +203,12 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
         sets = []
         for _ in range(3):  # rotate inputs so L2 does not hold them
             q, k, v, cu = make_qkv(doc_lens, heads, heads, d, "gauss", gen, "cuda")
-            ins = kernel_inputs(route, q, k, v, cu, entry["params"])
-            p = entry["params"]
-            sch = fwd_schedule(cu, p["tile_m"], p["causal"], T=q.shape[0], tile_n=p.get("tile_n"))
-            sets.append((ins, cu, sch))
+            sets.append(timed_call_inputs(route, q, k, v, cu, p))
         if inputs_cache is not None:
             inputs_cache[key] = sets
 
     def caller(i):
-        ins, cu, sch = sets[i]
-        return lambda: run_attn_fwd(fn, entry["args"], cu_seqlens=cu, params=entry["params"], schedule=sch, **ins)
+        return lambda: run_attn_fwd(fn, entry["args"], params=p, **sets[i])
 
     st = time_cuda([caller(i) for i in range(len(sets))], warmup=5, repeats=iters, measure_memory=False)
     fl = attention_flops(doc_lens, heads, d, causal=entry["params"]["causal"])

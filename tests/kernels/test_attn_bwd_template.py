@@ -340,12 +340,19 @@ def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
             assert "bulk_reduce_add_f32" not in off and "bwd_dq_bulk" not in _literals(off)["PARAMS"]
 
 
-def test_dq_bulk_staging_rows_are_bank_conflict_free_and_aligned():
-    """Row stride D + 8 words: the 8-byte stores of a half-warp (rows g = 0..3, column pairs t = 0..3 of
-    the wgmma accumulator) hit 16 distinct banks; rows start 16-byte aligned (bulk copy rule)."""
+def test_dq_bulk_staging_rows_are_bank_conflict_free_and_aligned(variants):
+    """The rendered row stride DQ_LD: the 8-byte stores of a half-warp (rows g = 0..3, column pairs
+    t = 0..3 of the wgmma accumulator) hit 16 distinct bank pairs; rows start 16-byte aligned and a
+    row's D words are a whole number of 16-byte units (bulk copy rules)."""
     for d in (64, 128):
-        ld = d + 8
-        assert (ld * 4) % 16 == 0 and (d * 4) % 16 == 0
+        v = next(v for v in variants if v.param("head_dim") == d and not _is_det(v))
+        lit = {}
+        for node in ast.parse(render_variant(v)).body:
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                    node.targets[0].id in ("HEAD_DIM", "DQ_LD"):
+                lit[node.targets[0].id] = eval(compile(ast.Expression(node.value), "c", "eval"), {}, dict(lit))
+        ld = lit["DQ_LD"]
+        assert lit["HEAD_DIM"] == d and (ld * 4) % 16 == 0 and (d * 4) % 16 == 0 and ld >= d
         for c0 in range(0, d, 8):
             banks = [((g * ld + c0 + 2 * t) % 32) // 2 for g in range(4) for t in range(4)]
             assert len(set(banks)) == 16, (d, c0)

@@ -5,8 +5,8 @@ code·block-scale (exact), their fp32 tensor scales reach the kernel as one devi
 (`qk_tensor_scale`) that joins the softmax scale, and everything from S on is the FP8 route's
 path (per-key V exponents folded into P̂, Vᵀ E4M3 K-major, per-key V copies on diagonal tiles).
 
-specs/kernels/attn_fwd_sm90.yaml lists the route since 2026-11-29 (verified on the H200: O bitwise
-equal to the emulator); the variants here come from the family with its routes narrowed.
+specs/kernels/attn_fwd_sm90.yaml lists the route since 2026-11-29 (verified on the H200: O vs the
+emulator cosine ≥ 0.99999997); the variants here come from the family with its routes narrowed.
 CPU only, except the `compile` tests (sm_90a cross-compile).
 """
 
