@@ -322,21 +322,12 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
     return sorted(cands, key=lambda v: v["name"])[0]
 
 
-def bwd_work_list(cu: torch.Tensor, T: int, params: dict, fp8: bool) -> torch.Tensor:
-    """The backward's longest-first key-tile work list, cached (`_cached_work`)."""
-    from .attn_bwd import make_work_list as make_bwd_work_list
+def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool):
+    """The backward's schedule (documents and windows, longest-first key-tile work list, per-token
+    document bounds, dQ tile offsets: runtime.attn_bwd.bwd_schedule), cached (`_cached_work`)."""
+    from .attn_bwd import bwd_schedule
 
     tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]
     align = kernel_key_align(fp8)
     return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align),
-                        lambda: make_bwd_work_list(cu, tile_m, tile_n, causal, key_align=align, T=T))
-
-
-def bwd_dq_tile_offsets(cu: torch.Tensor, params: dict, fp8: bool) -> torch.Tensor:
-    """A deterministic backward's `dq_tile_off` (per-document prefix of query-tile counts), cached
-    like the work list (`_cached_work`): a few small launches saved per call."""
-    from .attn_bwd import dq_tile_offsets
-
-    align = kernel_key_align(fp8)
-    return _cached_work(cu, ("dq_tile_off", params["tile_m"], align),
-                        lambda: dq_tile_offsets(cu, params["tile_m"], align))
+                        lambda: bwd_schedule(cu, tile_m, tile_n, causal, key_align=align, T=T))

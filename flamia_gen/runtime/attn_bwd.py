@@ -6,9 +6,13 @@ with torch ops (no host synchronisation, so a call is CUDA-graph capturable), ch
 cheaply, allocates dK, dV, calls the ahead-of-time compiled tvm-ffi function and converts the
 fp32 dQ accumulator (reduce-added by the kernel) to BF16 dQ with one torch op.
 
-Work list: one row (doc, n_block, 0) per document key tile, sorted by descending work (query
+Work list: one row (doc, n_block, window) per document key tile, sorted by descending work (query
 tiles the key tile visits), padded with (-1, -1, -1) to NUM_WORK = ceil(T / tile_n) + 2·NUM_DOCS
 (FP8 tiles start at doc_start rounded down to 16, which can add one key tile per document).
+Windows (`bwd_schedule`): documents shorter than a key tile that start in the same tile_n chunk are
+merged into one pseudo-document whose query tiles are all masked and where a key is seen only by
+queries of its own document (`row_doc`), as in the forward (runtime.attn_fwd.merge_windows); a
+persistent CTA leaves its loop at the first padding unit.
 A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
 summed over the GQA group in registers and written once (deterministic); dQ partials are
 reduce-added in fp32 (bulk reduce-adds from shared memory, in no fixed order: not deterministic in
@@ -16,7 +20,7 @@ the last bits; see the design doc).
 
 Deterministic variants (`deterministic: true` in the spec, `_det` in the name, ARGS with `dq_sem`)
 add the partials of each (query head, query tile) in increasing key-tile order behind an int32
-semaphore: run_attn_bwd zeroes `dq_sem` (HQ, num_dq_tiles) and builds `dq_tile_off` (the per-document
+semaphore: run_attn_bwd zeroes `dq_sem` (HQ, num_dq_tiles); `bwd_schedule` builds `dq_tile_off` (the per-document
 prefix of query-tile counts, `dq_tile_offsets`) on the device, both without a host sync. The
 ordering argument is in the template and in docs/kernels/attn_bwd.md ("Deterministic mode"); it needs
 the work list's order (a document's key tiles in increasing n) and a GPU with ≥ sm_count SMs.
@@ -26,11 +30,12 @@ Bitwise reproducible on the H200 (runs and CUDA-graph replay, 2026-11-29).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-from .attn_fwd import _FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, kernel_key_align, longest_first
+from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, kernel_key_align,
+                       longest_first, merge_windows)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -100,6 +105,31 @@ def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: b
     return longest_first(nkt, num_work(T, nkt.numel(), tile_n), cost)
 
 
+class BwdSchedule(NamedTuple):
+    """What the backward kernel is launched over: `cu` int32 (NUM_DOCS + 1) the work list's documents
+    (real documents and windows, unused entries T), `work` int32 (NUM_WORK, 3) (doc of `cu`, n_block,
+    window flag), `row_doc` int32 (T, 2) every token's real document [start, end), `dq_tile_off` int32
+    (NUM_DOCS + 1) the deterministic mode's per-document query-tile columns (`dq_tile_offsets` of `cu`)."""
+    cu: torch.Tensor
+    work: torch.Tensor
+    row_doc: torch.Tensor
+    dq_tile_off: torch.Tensor
+
+
+def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
+                 T: int | None = None) -> BwdSchedule:
+    """The backward's documents (short ones merged into windows per tile_n chunk: `merge_windows`),
+    longest-first work list, per-token document bounds and dQ tile offsets, on cu_seqlens' device
+    without a host synchronisation once T is given."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens: must be 1-D with at least 2 entries (num_docs + 1)")
+    if T is None:
+        T = int(cu_seqlens[-1].item())
+    w = merge_windows(cu_seqlens, tile_n, T)
+    work = make_work_list(w.cu, tile_m, tile_n, causal, key_align=key_align, T=T)
+    return BwdSchedule(w.cu, flag_windows(work, w.flag), w.row_doc, dq_tile_offsets(w.cu, tile_m, key_align))
+
+
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
                      q_scale=None, k_scale=None, v_scale=None, do_scale=None, dq_accum=None,
                      head_dim: int | None = None) -> tuple[int, int, int, int]:
@@ -148,17 +178,15 @@ def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
 
 
 def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: int, cu_seqlens: torch.Tensor,
-                        key_align: int, dq_sem=None, dq_tile_off=None) -> bool:
+                        key_align: int, dq_sem=None) -> bool:
     """Validate the deterministic-mode arguments; returns whether the variant is deterministic.
-    A non-deterministic variant takes neither `dq_sem` nor `dq_tile_off`. A deterministic one takes,
-    optionally, `dq_sem` int32 (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) (run_attn_bwd
-    zeroes it on every call) and `dq_tile_off` int32 (NUM_DOCS + 1) (must equal
-    dq_tile_offsets(cu_seqlens, tile_m, key_align): its values are not checked, that would synchronise). On a CUDA device the GPU must have at
-    least PARAMS["sm_count"] SMs: every CTA of the persistent grid must be resident at once."""
+    A non-deterministic variant takes no `dq_sem`. A deterministic one takes, optionally, `dq_sem`
+    int32 (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) (run_attn_bwd zeroes it on every
+    call); its `dq_tile_off` comes with the schedule. On a CUDA device the GPU must have at least
+    PARAMS["sm_count"] SMs: every CTA of the persistent grid must be resident at once."""
     det = is_deterministic_spec(args_spec)
     if not det:
-        for t, name in ((dq_sem, "dq_sem"), (dq_tile_off, "dq_tile_off")):
-            _need(t is None, name, "only a deterministic variant (ARGS with dq_sem, name …_det) takes it")
+        _need(dq_sem is None, "dq_sem", "only a deterministic variant (ARGS with dq_sem, name …_det) takes it")
         return False
     dev = cu_seqlens.device
     _need(params.get("scheduler", "longest_first") != "static", "params",
@@ -168,8 +196,6 @@ def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: 
         need = num_dq_tiles(T, cu_seqlens.numel() - 1, params["tile_m"], key_align)
         _need(dq_sem.shape[1] >= need, "dq_sem", f"{dq_sem.shape[1]} columns, need ≥ {need} "
               f"(num_dq_tiles(T={T}, num_docs={cu_seqlens.numel() - 1}, tile_m={params['tile_m']}))")
-    if dq_tile_off is not None:
-        _check_tensor(dq_tile_off, "dq_tile_off", (torch.int32,), (cu_seqlens.numel(),), dev)
     if dev.type == "cuda":
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         want = int(params.get("sm_count", 0))
@@ -182,8 +208,7 @@ def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: 
 def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
                  q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
                  dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
-                 work: torch.Tensor | None = None, dq_sem: torch.Tensor | None = None,
-                 dq_tile_off: torch.Tensor | None = None):
+                 schedule: BwdSchedule | None = None, dq_sem: torch.Tensor | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D)).
 
@@ -192,17 +217,19 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     rowsum(dO∘O) (bf16). `dq_accum`: the zeroed fp32 accumulator from the dO launch; None → a
     zeroed one is allocated here. `poison` fills dK, dV with NaN first (rows never written show).
 
+    `schedule`: `bwd_schedule` of these cu_seqlens and the variant's tiles (None → built here; the op
+    caches it per cu_seqlens tensor); one built for other documents or tiles is refused.
     Deterministic variants only (ARGS name `dq_sem`; see `check_deterministic`): `dq_sem`, an int32
     (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) buffer to reuse (zeroed here on every call;
-    None → allocated with torch.zeros), and `dq_tile_off` (None → dq_tile_offsets(cu_seqlens, …)).
-    Both stay on the device (no host sync: CUDA-graph capturable)."""
+    None → allocated with torch.zeros). Everything stays on the device (no host sync: CUDA-graph
+    capturable)."""
     fp8 = _is_fp8_spec(args_spec)
     T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                      do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                      do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"))
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
-                              dq_sem=dq_sem, dq_tile_off=dq_tile_off)
+                              dq_sem=dq_sem)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -213,20 +240,27 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         dq_accum = torch.zeros((T, HQ, D), dtype=torch.float32, device=dev)
     if T == 0:
         return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
-    if work is None:
-        work = make_work_list(cu_seqlens, params["tile_m"], params["tile_n"], params["causal"],
-                              key_align=align, T=T)
-    by_name = {"lse": lse, "delta": delta, "cu_seqlens": cu_seqlens, "work": work,
+    tile_m, tile_n = params["tile_m"], params["tile_n"]
+    if schedule is None:
+        schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T)
+    else:
+        nw = num_work(T, cu_seqlens.numel() - 1, tile_n)
+        _need(tuple(schedule.cu.shape) == tuple(cu_seqlens.shape) and tuple(schedule.row_doc.shape) == (T, 2)
+              and tuple(schedule.work.shape) == (nw, 3)
+              and tuple(schedule.dq_tile_off.shape) == tuple(cu_seqlens.shape), "schedule",
+              f"built for other documents or tiles (cu {tuple(schedule.cu.shape)}, row_doc "
+              f"{tuple(schedule.row_doc.shape)}, work {tuple(schedule.work.shape)}; expected "
+              f"{tuple(cu_seqlens.shape)}, ({T}, 2), ({nw}, 3))")
+    by_name = {"lse": lse, "delta": delta, "cu_seqlens": schedule.cu, "row_doc": schedule.row_doc,
+               "work": schedule.work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
     if det:
         if dq_sem is None:
-            dq_sem = torch.zeros((HQ, num_dq_tiles(T, cu_seqlens.numel() - 1, params["tile_m"], align)),
+            dq_sem = torch.zeros((HQ, num_dq_tiles(T, cu_seqlens.numel() - 1, tile_m, align)),
                                  dtype=torch.int32, device=dev)
         else:
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
-        if dq_tile_off is None:
-            dq_tile_off = dq_tile_offsets(cu_seqlens, params["tile_m"], align)
-        by_name.update(dq_sem=dq_sem, dq_tile_off=dq_tile_off)
+        by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
     if fp8:
         by_name.update(q=_as_e4m3(q), q_t=_as_e4m3(q_t), q_scale=q_scale, k=_as_e4m3(k), k_t=_as_e4m3(k_t),
                        k_scale=k_scale, v=_as_e4m3(v), v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t),
@@ -241,5 +275,5 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-__all__ = ["make_work_list", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+__all__ = ["make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

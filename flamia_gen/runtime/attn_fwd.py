@@ -91,39 +91,63 @@ class FwdSchedule(NamedTuple):
     row_doc: torch.Tensor
 
 
-def fwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
-                 tile_n: int | None = None) -> FwdSchedule:
-    """The forward's documents, work list and per-token document bounds, on cu_seqlens' device with
-    torch ops of static shapes (no host synchronisation once T is given).
+class Windows(NamedTuple):
+    """Documents with the short ones merged (`merge_windows`): `cu` int32 (NUM_DOCS + 1) pseudo-documents
+    (real documents and windows, unused entries T), `flag` int64 (NUM_DOCS + 1) 1 for a window of ≥ 2
+    documents, `row_doc` int32 (T, 2) every token's real document [start, end)."""
+    cu: torch.Tensor
+    flag: torch.Tensor
+    row_doc: torch.Tensor
 
-    Windows: a document shorter than tile_m joins the window of the chunk its start falls in
-    (chunk = start // tile_m); consecutive such documents of one chunk are contiguous (a longer
-    document that starts in the chunk ends past it), so a window is a run of whole documents,
-    shorter than 2·tile_m. A window of one document is that document (flag 0)."""
+
+def merge_windows(cu_seqlens: torch.Tensor, chunk: int, T: int) -> Windows:
+    """Merge documents shorter than `chunk` into windows, on cu_seqlens' device with torch ops of static
+    shapes (no host synchronisation). Both directions use it (forward: chunk = tile_m, backward: tile_n).
+
+    A document shorter than `chunk` joins the window of the chunk its start falls in (start // chunk);
+    consecutive such documents of one chunk are contiguous (a longer document that starts in the chunk
+    ends past it), so a window is a run of whole documents, shorter than 2·chunk. A window of one
+    document is that document (flag 0)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be 1-D with at least 2 entries (num_docs + 1)")
     cu = cu_seqlens.to(torch.int64)
-    if T is None:
-        T = int(cu[-1].item())
     starts, ends = cu[:-1], cu[1:]
     lens = (ends - starts).clamp(min=0)
     nd = lens.numel()
     row_doc = torch.repeat_interleave(torch.stack([starts, ends], dim=1), lens, dim=0, output_size=T)
     row_doc = row_doc.to(torch.int32).contiguous()
-    short = lens < tile_m
-    chunk = torch.where(short, starts // tile_m, -1 - torch.arange(nd, device=cu.device))  # long: own group
+    short = lens < chunk
+    group_key = torch.where(short, starts // chunk, -1 - torch.arange(nd, device=cu.device))  # long: own group
     new = torch.ones(nd, dtype=torch.bool, device=cu.device)
-    new[1:] = chunk[1:] != chunk[:-1]
+    new[1:] = group_key[1:] != group_key[:-1]
     group = torch.cumsum(new.to(torch.int64), 0) - 1  # pseudo-document of each document
     pcu = torch.full((nd + 1,), T, dtype=torch.int64, device=cu.device)
     pcu.scatter_reduce_(0, group, starts, reduce="amin")  # first start of each group; unused entries stay T
     members = torch.zeros(nd + 1, dtype=torch.int64, device=cu.device).scatter_add_(0, group, torch.ones_like(group))
-    flag = (members[:nd] > 1).to(torch.int64)  # per pseudo-document: a window of ≥ 2 documents
-    pcu32 = pcu.to(torch.int32)
-    work = make_work_list(pcu32, tile_m, causal, T=T, tile_n=tile_n).to(torch.int64)
+    flag = (members > 1).to(torch.int64)  # per pseudo-document: a window of ≥ 2 documents
+    return Windows(pcu.to(torch.int32).contiguous(), flag, row_doc)
+
+
+def flag_windows(work: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Column 2 of a work list (doc, block, 0) set to its pseudo-document's window flag; padding stays -1."""
+    work = work.to(torch.int64)
     valid = work[:, 0] >= 0
     work[:, 2] = torch.where(valid, flag[work[:, 0].clamp(min=0)], work[:, 2])
-    return FwdSchedule(pcu32.contiguous(), work.to(torch.int32).contiguous(), row_doc)
+    return work.to(torch.int32).contiguous()
+
+
+def fwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, causal: bool, *, T: int | None = None,
+                 tile_n: int | None = None) -> FwdSchedule:
+    """The forward's documents, work list and per-token document bounds, on cu_seqlens' device with
+    torch ops of static shapes (no host synchronisation once T is given). Documents shorter than
+    tile_m are merged into windows per tile_m chunk (`merge_windows`)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be 1-D with at least 2 entries (num_docs + 1)")
+    if T is None:
+        T = int(cu_seqlens[-1].item())
+    w = merge_windows(cu_seqlens, tile_m, T)
+    work = make_work_list(w.cu, tile_m, causal, T=T, tile_n=tile_n)
+    return FwdSchedule(w.cu, flag_windows(work, w.flag), w.row_doc)
 
 
 def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -336,6 +360,6 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     return o, lse
 
 
-__all__ = ["make_work_list", "fwd_schedule", "FwdSchedule", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
+__all__ = ["make_work_list", "fwd_schedule", "FwdSchedule", "merge_windows", "Windows", "flag_windows", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
            "fwd_mode",
            "SUPPORTED_HEAD_DIMS", "DIAG_INPUTS", "diag_inputs_needed", "check_diag_inputs"]

@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from .attention import (ARCH, NoKernelError, _current_bundle, _pick_cached, _quantize, bwd_dq_tile_offsets,
-                        bwd_work_list, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta)
-from .attn_bwd import _is_fp8_spec, is_deterministic_spec, run_attn_bwd
+from .attention import (ARCH, NoKernelError, _current_bundle, _pick_cached, _quantize, bwd_schedule_cached,
+                        doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta)
+from .attn_bwd import _is_fp8_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
@@ -174,13 +174,12 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
-    work = bwd_work_list(cu, T, params, fp8)
-    det = {"dq_tile_off": bwd_dq_tile_offsets(cu, params, fp8)} if is_deterministic_spec(args) else {}
+    sched = bwd_schedule_cached(cu, T, params, fp8)
     if not fp8:
         # bf16 route: no quantizer; delta = rowsum(dO∘O) (HQ, T) fp32, dq_accum zeroed in run_attn_bwd
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
         return run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
-                            softmax_scale=softmax_scale, work=work, poison=poison, **det)
+                            softmax_scale=softmax_scale, schedule=sched, poison=poison)
     root = str(b.root)
     # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
     qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
@@ -192,7 +191,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
         q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
-        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, work=work, poison=poison, **det)
+        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
 
 
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())

@@ -105,6 +105,7 @@ ARGS = [
     {"name": "lse", "dtype": "float32", "shape": ["HQ", "T"], "role": "in"},
     {"name": "delta", "dtype": "float32", "shape": ["HQ", "T"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
+    {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
     {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
     {"name": "dq_sem", "dtype": "int32", "shape": ["HQ", "NUM_QTILES"], "role": "inout"},
     {"name": "dq_tile_off", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
@@ -344,17 +345,20 @@ class LongestFirstScheduler:
     @staticmethod
     @cute.jit
     def decode(unit, mWork, mCu, HKV):
-        """(doc, n_block, hkv, doc_start, doc_len); doc < 0 marks a padding entry."""
+        """(doc, n_block, hkv, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
+        document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
+        short documents that the runtime merged (runtime.attn_bwd.bwd_schedule)."""
         item = unit // HKV
         hkv = unit - item * HKV
         doc = mWork[item, 0]
         n_block = mWork[item, 1]
+        window = mWork[item, 2]
         doc_start = Int32(0)
         doc_len = Int32(0)
         if doc >= 0:
             doc_start = mCu[doc]
             doc_len = mCu[doc + 1] - doc_start
-        return doc, n_block, hkv, doc_start, doc_len
+        return doc, n_block, hkv, doc_start, doc_len, window
 
 
 def bwd_tiling(n_block, doc_start, doc_len):
@@ -478,7 +482,8 @@ class AttnBwdSm90:
                  mVs: cute.Tensor,
                  mdO: cute.Tensor,
                  mdOt: cute.Tensor, mdOs: cute.Tensor,
-                 mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
+                 mWork: cute.Tensor,
                  mSem: cute.Tensor, mQtOff: cute.Tensor,
                  softmax_scale: Float32, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  stream: cuda.CUstream):
@@ -534,7 +539,7 @@ class AttnBwdSm90:
             tma_atom_do, tma_do,
             tma_atom_kt, tma_kt, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQs, mKs, mVs, mdOs,
             sKt_layout, sQt_layout, sdOt_layout,
-            mLSE, mDelta, mCu, mWork, mdQacc, mdK, mdV, softmax_scale, scale_log2,
+            mLSE, mDelta, mCu, mRowDoc, mWork, mdQacc, mdK, mdV, softmax_scale, scale_log2,
             sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout,
             mSem, mQtOff,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -547,8 +552,8 @@ class AttnBwdSm90:
                tma_atom_dot: cute.CopyAtom, mdOt: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
                mVs: cute.Tensor, mdOs: cute.Tensor, sKt_layout: cute.ComposedLayout,
                sQt_layout: cute.ComposedLayout, sdOt_layout: cute.ComposedLayout,
-               mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor,
-               mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
+               mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                mSem: cute.Tensor, mQtOff: cute.Tensor):
@@ -600,7 +605,7 @@ class AttnBwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      mKs, mVs, sKt, sQt, sdOt,
-                     mCu, mWork, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
+                     mCu, mRowDoc, mWork, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
                      softmax_scale, scale_log2, tidx - 128, HKV, num_units, mSem, mQtOff)
 
     # -----------------------------------------------------------------------------------
@@ -623,7 +628,7 @@ class AttnBwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 k0 = base + n_block * self.tile_n
@@ -711,6 +716,10 @@ class AttnBwdSm90:
                         cute.copy(tma_atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bq)
                         q_state.advance()
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # padding entries come last in the work list (longest-first order) and this CTA's units
+                # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
+                unit = num_units
 
     # -----------------------------------------------------------------------------------
     # Consumer warpgroups: 64 keys each; Sᵀ, dPᵀ, P, dS, dV, dK, dQ per query tile.
@@ -718,7 +727,7 @@ class AttnBwdSm90:
     @cute.jit
     def mma(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
             mKs: cute.Tensor, mVs: cute.Tensor, sKt: cute.Tensor, sQt: cute.Tensor, sdOt: cute.Tensor,
-            mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+            mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
             sRow: cute.Tensor, sAmax: cute.Tensor, pipe_kv, pipe_q, softmax_scale: Float32, scale_log2: Float32,
             tidx: Int32, HKV: Int32, num_units: Int32, mSem: cute.Tensor, mQtOff: cute.Tensor):
@@ -771,11 +780,13 @@ class AttnBwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
                 i_lo, i_hi = bwd_interior(n_block, delta, doc_len)  # query tiles without a masked pair
+                if window != 0:
+                    i_lo, i_hi = Int32(0), Int32(0)  # window: every query tile masked
                 k_tok0 = base + n_block * n
                 qt0 = mQtOff[doc]  # dq_sem column of the document's query tile 0
                 for rh in cutlass.range_constexpr(2):
@@ -803,17 +814,19 @@ class AttnBwdSm90:
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, mSem, qt0 + m_block, n_block, False)
+                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, mSem, qt0 + m_block, n_block, False)
                         else:
                             q_state = self.one_tile(
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mdQacc, softmax_scale, scale_log2, tidx, mSem, qt0 + m_block, n_block, True)
+                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, mSem, qt0 + m_block, n_block, True)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
             unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                unit = num_units  # as the producer: only padding is left for this CTA
 
     @cute.jit
     def load2(self, s: cute.Tensor, off: Int32):
@@ -824,13 +837,34 @@ class AttnBwdSm90:
         return vals
 
     @cute.jit
+    def key_ranges(self, tScS: cute.Tensor, mRowDoc: cute.Tensor, key0: Int32, doc_start: Int32, doc_len: Int32,
+                   window: Int32):
+        """Masked tiles: the document-local queries that see this thread's key rows, [klim[rh], klim[2 + rh]):
+        the document, or in a window the key's own document (row_doc: the token's document [start, end),
+        global); a key outside the document (an FP8 tile's head, a tile's tail) gets the empty range.
+        Built per masked tile (a few integer ops; two L2-resident loads per key in a window) so that
+        no register holds it across the unit."""
+        klim = cute.make_rmem_tensor((4,), Int32)
+        for rh in cutlass.range_constexpr(2):
+            kk = key0 + tScS[2 * rh][0]
+            klim[rh] = Int32(0)
+            klim[2 + rh] = Int32(0)
+            if (kk >= 0) & (kk < doc_len):
+                klim[2 + rh] = doc_len
+                if window != 0:
+                    klim[rh] = mRowDoc[doc_start + kk, 0] - doc_start
+                    klim[2 + rh] = mRowDoc[doc_start + kk, 1] - doc_start
+        return klim
+
+    @cute.jit
     def one_tile(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
                  tSrK: cute.Tensor, tSrV: cute.Tensor, tSrQ: cute.Tensor, tSrdO: cute.Tensor, tdVrdO: cute.Tensor,
                  tdKrQ: cute.Tensor, tdVrP: cute.Tensor, tdKrdS: cute.Tensor, tdQrdS: cute.Tensor,
                  tdQrK: cute.Tensor, tSsdS: cute.Tensor, acc_dV: cute.Tensor, acc_dK: cute.Tensor,
                  tScS: cute.Tensor, tdQcdQ: cute.Tensor, sRow: cute.Tensor, sAmax: cute.Tensor, kf: cute.Tensor,
                  vf: cute.Tensor, run: cute.Tensor, bufs: cute.Tensor, pipe_q, q_state, key0: Int32, qrow0: Int32,
-                 q_tok0: Int32, head: Int32, doc_len: Int32, mdQacc: cute.Tensor, softmax_scale: Float32,
+                 q_tok0: Int32, head: Int32, doc_len: Int32, mRowDoc: cute.Tensor, doc_start: Int32, window: Int32,
+                 mdQacc: cute.Tensor, softmax_scale: Float32,
                  scale_log2: Float32, tidx: Int32, mSem: cute.Tensor, sem_col: Int32, sem_turn: Int32,
                  mask: cutlass.Constexpr[bool]):
         """One query tile against the unit's key tile. mask=False (compile time) on interior tiles
@@ -845,6 +879,8 @@ class AttnBwdSm90:
         st = q_state.index
         self.gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st], True)
         self.gemm(tiled_mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, st], True)
+        if const_expr(mask):
+            klim = self.key_ranges(tScS, mRowDoc, key0, doc_start, doc_len, window)
         warpgroup.wait_group(0)
         rbase = st * self.row_words
         # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
@@ -864,7 +900,7 @@ class AttnBwdSm90:
                     if const_expr(mask):
                         qq = qrow0 + c + cp
                         kk = key0 + tScS[2 * rh][0]
-                        if (kk < 0) | (kk >= doc_len) | (qq < 0) | (qq >= doc_len) | (kk > qq):
+                        if (qq < klim[rh]) | (qq >= klim[2 + rh]) | (kk > qq):
                             p = Float32(0.0)
                             ds = Float32(0.0)
                     acc_S[i] = p
@@ -1092,6 +1128,7 @@ def compile_args():
     lse = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     delta = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
+    row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
     dq_accum = make_fake_compact_tensor(Float32, (t, hq, 64), stride_order=row_major3, assumed_align=16)
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
@@ -1100,5 +1137,5 @@ def compile_args():
     nqt = cute.sym_int32()
     dq_sem = make_fake_compact_tensor(Int32, (hq, nqt), stride_order=(1, 0), assumed_align=4)
     dq_tile_off = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
-    args = (*inputs, lse, delta, cu, work, dq_sem, dq_tile_off, Float32(1.0), dq_accum, dk, dv, stream)
+    args = (*inputs, lse, delta, cu, row_doc, work, dq_sem, dq_tile_off, Float32(1.0), dq_accum, dk, dv, stream)
     return make_kernel(), args

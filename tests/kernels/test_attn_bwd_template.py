@@ -57,7 +57,7 @@ def test_render_deterministic_and_parses(variants):
         lit = _literals(a)
         assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
         assert lit["PARAMS"]["kind"] == "attn_bwd" and lit["PARAMS"]["tile_m"] == 64 and lit["TILE_N"] == 128
-        tail = ["lse", "delta", "cu_seqlens", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
+        tail = ["lse", "delta", "cu_seqlens", "row_doc", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
         tail += ["softmax_scale", "dq_accum", "dk", "dv"]
         names = [x["name"] for x in lit["ARGS"]]
         if v.route == "fp8_token":

@@ -23,8 +23,8 @@ import torch
 
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant
-from flamia_gen.runtime.attn_bwd import (dq_tile_offsets, is_deterministic_spec, make_work_list, num_dq_tiles,
-                                         run_attn_bwd)
+from flamia_gen.runtime.attn_bwd import (bwd_schedule, dq_tile_offsets, is_deterministic_spec, make_work_list,
+                                         num_dq_tiles, run_attn_bwd)
 from flamia_gen.spec import load_specs
 
 DQ_TOL = dict(rtol=1e-2, atol=1e-2)  # dQ of the non-deterministic variant (fp32 atomics), as test_train_gpu
@@ -122,12 +122,18 @@ def test_work_list_order_and_wait_turns(bwd_variants, seed):
     tile_n = rng.choice([16, 32, 64, 128, 192])
     route = "fp8_token" if key_align == 16 else "bf16"
     tiling = _kernel_tiling(render_variant(_det_variant(bwd_variants, route, causal)), tile_m, tile_n, key_align)
-    cu, lens = _random_cu(rng)
-    T, nd = int(cu[-1]), len(lens)
-    work = make_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T)
+    cu_real, lens_real = _random_cu(rng)
+    T = int(cu_real[-1])
+    # the kernel runs over the schedule's documents: real ones, and windows of short ones (bwd_schedule)
+    sched = bwd_schedule(cu_real, tile_m, tile_n, causal, key_align=key_align, T=T)
+    cu, work = sched.cu, sched.work
+    lens = (cu[1:] - cu[:-1]).tolist()
+    nd = len(lens)
+    assert nd == len(lens_real)
     items = [(d, n) for d, n, _ in work.tolist() if d >= 0]
     pos = {it: i for i, it in enumerate(items)}
-    off = dq_tile_offsets(cu, tile_m, key_align).tolist()
+    off = sched.dq_tile_off.tolist()
+    assert off == dq_tile_offsets(cu, tile_m, key_align).tolist()
     assert len(off) == nd + 1 and off[0] == 0
     cols = set()
     for d in range(nd):
@@ -226,8 +232,9 @@ def test_run_attn_bwd_allocates_and_passes_the_semaphore(bwd_variants, route):
     assert sem.dtype == torch.int32 and sem.shape == (4, num_dq_tiles(40, 2, 64, align))
     assert not sem_at_call.any()  # zeroed before the launch
     off = seen["dq_tile_off"][0]
-    # documents [0, 10) and [10, 40): 1 query tile each (fp8: the second starts at token 0, delta 10)
-    assert off.dtype == torch.int32 and off.tolist() == [0, 1, 2]
+    # documents [0, 10) and [10, 40) are both shorter than a key tile: one window [0, 40), one query tile
+    assert off.dtype == torch.int32 and off.tolist() == [0, 1, 1]
+    assert seen["cu_seqlens"][0].tolist() == [0, 40, 40] and seen["work"][0][0].tolist() == [0, 0, 1]
     # a caller's buffer (dirty from a previous call) is zeroed in place and passed as is
     dirty = torch.full((4, 9), 7, dtype=torch.int32)
     fn, seen = _recorder(args)
@@ -252,7 +259,6 @@ def test_non_deterministic_run_passes_no_semaphore(bwd_variants):
     (dict(dq_sem=torch.zeros(3, 9, dtype=torch.int32)), "dq_sem: shape"),
     (dict(dq_sem=torch.zeros(4, 2, dtype=torch.int32)), "dq_sem: 2 columns, need ≥ 3"),
     (dict(dq_sem=torch.zeros(9, 4, dtype=torch.int32).t()), "dq_sem: must be contiguous"),
-    (dict(dq_tile_off=torch.zeros(2, dtype=torch.int32)), "dq_tile_off: shape"),
     (dict(params_update={"scheduler": "static"}), "params: a deterministic backward needs the persistent"),
 ])
 def test_run_attn_bwd_deterministic_input_errors(bwd_variants, kw, match):
@@ -341,17 +347,21 @@ def test_gpu_deterministic_backward_in_a_cuda_graph():
         assert all(torch.equal(a, e) for a, e in zip(out, eager))
 
 
-def test_op_path_reuses_the_dq_tile_offsets_of_a_cu_seqlens_tensor():
-    """The op (`runtime.ops.backward_with`) passes `dq_tile_off` from the per-`cu_seqlens` cache:
-    built once per tensor and equal to `dq_tile_offsets`, rebuilt when the tensor changes."""
-    from flamia_gen.runtime.attention import bwd_dq_tile_offsets
-    from flamia_gen.runtime.attn_bwd import dq_tile_offsets
+def test_op_path_reuses_the_schedule_of_a_cu_seqlens_tensor():
+    """The op (`runtime.ops.backward_with`) takes the schedule (work list, windows, `dq_tile_off`) from
+    the per-`cu_seqlens` cache: built once per tensor, equal to `bwd_schedule`, rebuilt when the tensor
+    changes."""
+    from flamia_gen.runtime.attention import bwd_schedule_cached
 
     cu = torch.tensor([0, 5, 70, 71, 300], dtype=torch.int32)
-    p = {"tile_m": 64}
-    a = bwd_dq_tile_offsets(cu, p, fp8=True)
-    assert bwd_dq_tile_offsets(cu, p, fp8=True) is a
-    assert torch.equal(a, dq_tile_offsets(cu, 64, 16))
-    assert torch.equal(bwd_dq_tile_offsets(cu, p, fp8=False), dq_tile_offsets(cu, 64, 1))
-    cu[2] = 100  # in-place edit: the version counter moves, the cache rebuilds
-    assert torch.equal(bwd_dq_tile_offsets(cu, p, fp8=True), dq_tile_offsets(cu, 64, 16))
+    p = {"tile_m": 64, "tile_n": 128, "causal": True}
+    a = bwd_schedule_cached(cu, 300, p, fp8=True)
+    assert bwd_schedule_cached(cu, 300, p, fp8=True) is a
+    want = bwd_schedule(cu, 64, 128, True, key_align=16, T=300)
+    assert all(torch.equal(x, y) for x, y in zip(a, want))
+    assert torch.equal(bwd_schedule_cached(cu, 300, p, fp8=False).dq_tile_off,
+                       bwd_schedule(cu, 64, 128, True, T=300).dq_tile_off)
+    cu[3] = 200  # in-place edit: the version counter moves, the cache rebuilds
+    b = bwd_schedule_cached(cu, 300, p, fp8=True)
+    assert torch.equal(b.dq_tile_off, bwd_schedule(cu, 64, 128, True, key_align=16, T=300).dq_tile_off)
+    assert torch.equal(b.cu, bwd_schedule(cu, 64, 128, True, key_align=16, T=300).cu) and not torch.equal(b.cu, a.cu)

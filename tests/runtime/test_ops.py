@@ -286,7 +286,7 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
     """The whole backward host path on CPU, with Python stand-ins for the .so kernels: recomputed
     Q/K/V quantization, the with_delta dO launch, the attn_bwd call (argument names, dtypes and
     shapes checked by run_attn_bwd's own validation), dq = dq_accum → BF16, autograd wiring."""
-    from flamia_gen.runtime.attn_bwd import make_work_list
+    from flamia_gen.runtime.attn_bwd import bwd_schedule
     from flamia_gen.runtime.bundle import Bundle
 
     tok = ["fp8_token.do", "fp8_token.k", "fp8_token.q", "fp8_token.v"]
@@ -344,23 +344,12 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
         assert bwd["dq_accum"] is launch["dq_accum"] and bwd["delta"] is launch["delta"]
         assert bwd["do"].dtype == torch.float8_e4m3fn and bwd["q_t"].shape == (HQ, D, 80)
         assert bwd["k_t"].shape == (HKV, D, 80) and bwd["v"].shape == (t, HKV, D)
-        assert torch.equal(bwd["work"], make_work_list(cu, 64, 128, True, key_align=16, T=t))
+        assert torch.equal(bwd["work"], bwd_schedule(cu, 64, 128, True, key_align=16, T=t).work)
     else:
         assert names == [bwd_name]  # no quantizer on the bf16 route
         assert bwd["q"].dtype == torch.bfloat16 and torch.equal(bwd["do"], do)
-        assert torch.equal(bwd["work"], make_work_list(cu, 64, 128, True, T=t))
-
-
-def test_bwd_work_list_is_cached_per_live_tensor():
-    from flamia_gen.runtime.attention import bwd_work_list
-    from flamia_gen.runtime.attn_bwd import make_work_list
-
-    params = {"tile_m": 64, "tile_n": 128, "causal": True}
-    cu = torch.tensor([0, 300, 1000], dtype=torch.int32)
-    w = bwd_work_list(cu, 1000, params, fp8=True)
-    assert bwd_work_list(cu, 1000, params, fp8=True) is w
-    assert torch.equal(w, make_work_list(cu, 64, 128, True, key_align=16, T=1000))
-    assert torch.equal(bwd_work_list(cu, 1000, params, fp8=False), make_work_list(cu, 64, 128, True, T=1000))
+        assert torch.equal(bwd["work"], bwd_schedule(cu, 64, 128, True, T=t).work)
+    assert bwd["row_doc"].tolist() == [[0, 30]] * 30 + [[30, t]] * (t - 30)
 
 
 # ---------------------------------------------------------------- GPU

@@ -1,0 +1,73 @@
+"""Where one call's GPU time goes: every CUDA kernel of a `flamia-gen bench` call (forward or
+train: quantizer launches, attention kernels, torch ops around them), from torch.profiler.
+
+    python3 -m flamia_gen.bench.breakdown --workload tiny131072x1 --impls flamia_bf16,flamia_fp8_token
+
+The same adapters and inputs as `flamia-gen bench`, so the rows add up to the bench's time (less the
+host gaps the profiler shows separately). Kernel names are shortened; `--top` rows per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def kernel_times(fn, calls: int = 3) -> tuple[list[tuple[str, float, int]], float]:
+    """([(kernel name, µs per call, launches per call)] sorted by time, wall ms per call) of `fn`."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    rows = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us, n = rows.get(e.name, (0.0, 0))
+        rows[e.name] = (us + e.device_time, n + 1)
+    out = sorted(((name, us / calls, n // calls) for name, (us, n) in rows.items()), key=lambda r: -r[1])
+    return out, wall_ms
+
+
+def _short(name: str, width: int = 70) -> str:
+    name = name.replace("void ", "").split("(")[0]
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="tiny131072x1")
+    ap.add_argument("--impls", default="flamia_bf16,flamia_fp8_token")
+    ap.add_argument("--mode", default="train", choices=("fwd", "train"))
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--top", type=int, default=14)
+    a = ap.parse_args(argv)
+    from .peers import resolve_impls
+    from .workloads import get_workload, make_inputs
+
+    w = get_workload(a.workload)
+    inputs = make_inputs(w, n_rotations=1)
+    adapters, notes = resolve_impls(a.impls)
+    for note in notes:
+        print(note)
+    for ad in adapters:
+        fn = ad.prepare(w, inputs, a.mode)
+        rows, wall = kernel_times(fn, a.calls)
+        total = sum(us for _, us, _ in rows)
+        print(f"{ad.name} {w.name} {a.mode}: wall {wall:.3f} ms/call, GPU kernels {total / 1e3:.3f} ms/call")
+        for name, us, n in rows[: a.top]:
+            print(f"  {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %  x{n:<3d} {_short(name)}")
+        del fn
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
