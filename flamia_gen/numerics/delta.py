@@ -27,7 +27,7 @@ import torch
 from ..spec.enums import Format
 from .quantize import Quantized
 
-__all__ = ["delta_from_quantized", "DELTA_LANE_ELEMS"]
+__all__ = ["delta_from_quantized", "delta_bf16", "DELTA_LANE_ELEMS"]
 
 DELTA_LANE_ELEMS = 16  # consecutive head-dim elements summed in order by one kernel lane
 
@@ -64,10 +64,33 @@ def delta_from_quantized(do_q: Quantized, o: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"head dim D={d} must be 16 times a power of two (kernels: 64, 128)")
 
     dq = do_q.dequantize()  # step 1: decode(c) * 2^e, one fp32 multiply
-    p = (dq * o.to(torch.float32)).view(t, h, lanes, DELTA_LANE_ELEMS)  # step 2
+    return _ordered_rowsum(dq * o.to(torch.float32))  # step 2, then steps 3 and 4
+
+
+def _ordered_rowsum(p: torch.Tensor) -> torch.Tensor:
+    """Steps 3 and 4 of the module doc on fp32 products p (T, H, D) → (H, T)."""
+    t, h, d = p.shape
+    p = p.view(t, h, d // DELTA_LANE_ELEMS, DELTA_LANE_ELEMS)
     a = p[..., 0]
     for i in range(1, DELTA_LANE_ELEMS):  # step 3: in order, inside a lane
         a = a + p[..., i]
     while a.shape[-1] > 1:  # step 4: butterfly over the lanes of a row, neighbours first
         a = a[..., 0::2] + a[..., 1::2]
     return a[..., 0].transpose(0, 1).contiguous()
+
+
+def delta_bf16(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """fp32 ``D`` (H, T) of the bf16 route's dO launch: the products ``float32(dO_d) · float32(o_d)``
+    (exact widenings, one RNE multiply) summed in the fixed order of the module doc (steps 3, 4).
+    ``do``, ``o``: BF16 (T, H, D) on one device; D = 16 times a power of two."""
+    for name, x in (("do", do), ("o", o)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 3:
+            raise ValueError(f"{name} must be a BF16 (T, H, D) torch.Tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
+    if tuple(o.shape) != tuple(do.shape) or o.device != do.device:
+        raise ValueError(f"o {tuple(o.shape)} on {o.device} must match dO {tuple(do.shape)} on {do.device}")
+    lanes = do.shape[2] // DELTA_LANE_ELEMS
+    if do.shape[2] % DELTA_LANE_ELEMS or lanes < 1 or lanes & (lanes - 1):
+        raise ValueError(f"head dim D={do.shape[2]} must be 16 times a power of two (kernels: 64, 128)")
+    return _ordered_rowsum(do.to(torch.float32) * o.to(torch.float32))

@@ -65,6 +65,14 @@ def _quant_points(fam: KernelFamily, route: Route):
     for op in fam.operands:
         oq = operand_quant(route, op)
         if not oq.quantized:
+            if op is Operand.do and oq.format is Format.bf16:
+                # nothing to quantize, but the backward's dO launch remains: D = rowsum(dO∘O) and the
+                # zeroed dQ accumulator (templates/common/do_delta_body.py.j2)
+                for d, tpc, hpc in itertools.product(fam.head_dims, t.tokens_per_cta, t.heads_per_cta):
+                    yield op, oq, dict(quant=oq.short_str(), fmt=oq.format.value, granularity=oq.granularity.value,
+                                       exponent_rule=oq.exponent_rule.value, hadamard=False, head_dim=d,
+                                       tokens_per_cta=tpc, heads_per_cta=hpc, write_transposed=False,
+                                       with_delta=True, sm_count=fam.sm_count)
             continue  # nothing to quantize (bf16 operand)
         for d, tpc, hpc in itertools.product(fam.head_dims, t.tokens_per_cta, t.heads_per_cta):
             params = dict(

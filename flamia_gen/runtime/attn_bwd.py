@@ -233,9 +233,14 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
-    fill = float("nan") if poison else 0.0
-    dk = torch.full((T, HKV, D), fill, dtype=torch.bfloat16, device=dev)
-    dv = torch.full((T, HKV, D), fill, dtype=torch.bfloat16, device=dev)
+    # the kernel writes every row of dK and dV (every key of every document: tests/kernels/
+    # test_attn_bwd_windows.py replays it), so they start uninitialised; `poison` fills them with NaN
+    if poison:
+        dk = torch.full((T, HKV, D), float("nan"), dtype=torch.bfloat16, device=dev)
+        dv = torch.full((T, HKV, D), float("nan"), dtype=torch.bfloat16, device=dev)
+    else:
+        dk = torch.empty((T, HKV, D), dtype=torch.bfloat16, device=dev)
+        dv = torch.empty((T, HKV, D), dtype=torch.bfloat16, device=dev)
     if dq_accum is None:
         dq_accum = torch.zeros((T, HQ, D), dtype=torch.float32, device=dev)
     if T == 0:

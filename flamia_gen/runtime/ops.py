@@ -11,8 +11,8 @@ Two opaque ops (docs/ops.md):
 - `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale)
   -> (dq, dk, dv)`: RECOMPUTES the quantization of Q, K, V (three memory-bound launches, bit for bit
   what the forward used: the quantizers are deterministic and document-local), the dO launch
-  (`with_delta`: dO codes, scales, codes_t, delta = rowsum(dO∘O) and the zeroed dq_accum), then
-  the `attn_bwd` kernel of the bundle. No kernel for (route, head dim, causal) → NoKernelError:
+  (`with_delta`: dO codes, scales, codes_t, delta = rowsum(dO∘O) and the zeroed dq_accum; the bf16
+  route's dO launch writes only delta and dq_accum), then the `attn_bwd` kernel of the bundle. No kernel for (route, head dim, causal) → NoKernelError:
   never a silent fallback to another route or to the emulator.
 
 The forward saves only its BF16 inputs, o and lse (what autograd keeps anyway), not the FP8 codes.
@@ -175,12 +175,13 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
     sched = bwd_schedule_cached(cu, T, params, fp8)
-    if not fp8:
-        # bf16 route: no quantizer; delta = rowsum(dO∘O) (HQ, T) fp32, dq_accum zeroed in run_attn_bwd
-        delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()
-        return run_attn_bwd(fn, args, q, k, v, do, lse, delta, cu_seqlens=cu, params=params,
-                            softmax_scale=softmax_scale, schedule=sched, poison=poison)
     root = str(b.root)
+    if not fp8:
+        # bf16 route: nothing to quantize; its dO launch writes delta = rowsum(dO∘O) (HQ, T) fp32 and the
+        # zeroed dq_accum in one pass (templates/common/do_delta_body.py.j2)
+        dl = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)
+        return run_attn_bwd(fn, args, q, k, v, do, lse, dl["delta"], cu_seqlens=cu, params=params,
+                            dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
     # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
     qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
     kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)

@@ -130,7 +130,7 @@ def verify_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, An
     A dO launch (ARGS takes `o`) adds the fields `delta` (bitwise, NaN payloads aside) and
     `dq_accum` (all +0.0).
     """
-    from ..numerics.delta import delta_from_quantized
+    from ..numerics.delta import delta_bf16, delta_from_quantized
     from ..numerics.quantize import quantize
 
     with_delta = takes_o(args_spec)
@@ -140,6 +140,13 @@ def verify_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, An
         o = make_o(kind, T, H, D, seed=seed + i) if with_delta else None
         outs = run_quantizer(fn, args_spec, x, cu, poison=True, o=o)
         torch.cuda.synchronize()
+        if not oq.quantized:
+            # the bf16 route's dO launch: no codes, D from BF16 dO itself (numerics.delta.delta_bf16)
+            for r in (compare_bitwise("delta", outs["delta"], delta_bf16(x, o), nan_equal=True),
+                      check_zero("dq_accum", outs["dq_accum"])):
+                r["kind"] = kind
+                results.append(r)
+            continue
         ref = quantize(x, oq, cu)
         pairs = [("codes", outs["codes"], ref.codes), ("scales", outs["scales"], ref.scales)]
         if "codes_t" in outs:

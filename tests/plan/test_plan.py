@@ -32,8 +32,10 @@ def test_plan_dedupes_by_representation_and_is_unique(specs):
     # the q/k/v/dO of mxfp8 and mxfp8_exact share one kernel
     assert {"mxfp8.q", "mxfp8.v", "mxfp8_exact.k", "mxfp8_exact.do"} <= set(tb.uses)
     assert all(v.arch is Arch.sm90 for v in plan.variants)
-    # bf16 has nothing to quantize
-    assert not any(u.startswith("bf16.") for v in plan.variants for u in v.uses)
+    # bf16 has nothing to quantize: its only quantizer-family variants are the dO launches (D, dQ zeroing)
+    bf16 = [v for v in plan.variants if any(u.startswith("bf16.") for u in v.uses)]
+    assert bf16 and all(v.kind is KernelKind.quant and v.uses == ("bf16.do",) and v.param("with_delta")
+                        and v.param("fmt") == "bf16" for v in bf16)
     # every quantized input operand of every route in the family is served at D=128
     fam = specs.families["quant_sm90"]
     served = {u for v in plan.variants if v.param("head_dim") == 128 for u in v.uses}
@@ -119,6 +121,10 @@ def test_plan_delta_variants_serve_do_only(specs, arch, n_delta):
     plan = make_plan(specs, arch=arch)
     quant = [v for v in plan.variants if v.kind is KernelKind.quant]
     by_name = {v.name: v for v in quant}
+    bf16 = [v for v in quant if v.param("fmt") == "bf16"]  # the bf16 route's dO launch: no plain twin
+    assert len(bf16) == (6 if arch == "sm90" else 0)
+    assert all(v.param("with_delta") and v.route == "bf16_delta" and v.uses == ("bf16.do",) for v in bf16)
+    quant = [v for v in quant if v.param("fmt") != "bf16"]
     delta = [v for v in quant if v.param("with_delta")]
     assert len(delta) == n_delta
     assert all(isinstance(v.param("with_delta"), bool) for v in quant)  # every quant variant says it
