@@ -168,8 +168,10 @@ def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torc
 
 
 def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
-                     softmax_scale: float | None = None, return_lse: bool = False):
-    """O (T, HQ, D) BF16 for packed BF16 q (T, HQ, D), k, v (T, HKV, D)."""
+                     softmax_scale: float | None = None, return_lse: bool = False, keep_codes: bool = False):
+    """O (T, HQ, D) BF16 for packed BF16 q (T, HQ, D), k, v (T, HKV, D); with `return_lse`, (O, LSE).
+    `keep_codes` (routes where `saves_codes`): also the forward's Q, K, V quantizer outputs the
+    backward reads, as a tuple of SAVED_FIELDS per operand (the op keeps them for the backward)."""
     if not q.is_cuda:
         raise ValueError("q: must be a CUDA tensor (the kernels run on sm90)")
     T, HQ, D = q.shape
@@ -180,15 +182,51 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     root = str(b.root)
     fwd = _pick_cached(root, "attn_fwd", route, D, causal, profile)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    launched: dict = {}
     if not _is_fp8_spec(fwd["args"]):
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
                               schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]))
     else:
-        ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile)
+        ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile, launched=launched)
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]))
+    if keep_codes:
+        # the backward's own quantizer choice for each operand (ops.backward_with): the same entry, so the
+        # same codes bit for bit; the forward launched it already (saves_codes routes)
+        saved = []
+        for op in SAVED_OPERANDS:
+            outs = launched.get((op, _pick_cached(root, "quant", route, D, None, profile, op)["name"]))
+            if outs is None:
+                raise NoKernelError(f"route {route!r}: the forward did not launch the {op} quantizer its backward "
+                                    "reads, so it cannot keep the codes (saves_codes is wrong for this route)")
+            saved += [outs[f] for f in SAVED_FIELDS]
+        return o, lse, tuple(saved)
     return (o, lse) if return_lse else o
+
+
+SAVED_OPERANDS = ("q", "k", "v")
+SAVED_FIELDS = ("codes", "codes_t", "scales")  # per operand, what the FP8 backward reads
+
+
+@lru_cache(maxsize=32)
+def saves_codes(route: str) -> bool:
+    """Whether the op keeps the forward's Q, K, V quantizer outputs for the backward instead of
+    recomputing them (three launches fewer per step; the backward then reads the forward's very
+    codes). For the sm90 backward's 8-bit routes whose q, k, v are per-token E4M3 (codes (T, H, D),
+    codes_t (H, D, T_PAD), scales (T, H): shapes the op's fake implementation can state)."""
+    try:
+        from ..spec import load_specs
+
+        specs = load_specs()
+        r = specs.route(route)
+    except Exception:  # no specs on this host, or an unknown route (refused elsewhere): recompute
+        return False
+    bwd_routes = {x for f in specs.families.values() if f.kind.value == "attn_bwd" and f.arch.value == ARCH
+                  for x in f.routes}
+    ops = [r.operands.q, r.operands.k, r.operands.v]
+    return route in bwd_routes and all(o.format.value == "e4m3" and o.granularity.value == "token"
+                                       and not o.hadamard for o in ops)
 
 
 @lru_cache(maxsize=64)
@@ -241,14 +279,18 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
     return ins
 
 
-def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile) -> dict:
+def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile, launched: dict | None = None) -> dict:
     """`assemble_forward_inputs` with the bundle's fused quantizer launches (per-token copies through
-    `token_copy_use`)."""
+    `token_copy_use`). `launched`, when given, receives {(operand, quantizer entry name): its outputs}."""
     root, D = str(b.root), q.shape[2]
 
     def launch(x, op, per_token):
         r, o = token_copy_use(root, route, op, D) if per_token else (route, op)
-        return _quantize(b, _pick_cached(root, "quant", r, D, None, profile, o), x, cu)
+        entry = _pick_cached(root, "quant", r, D, None, profile, o)
+        outs = _quantize(b, entry, x, cu)
+        if launched is not None:
+            launched[(op, entry["name"])] = outs
+        return outs
 
     return assemble_forward_inputs(fwd["params"], q, k, v, launch)
 

@@ -5,17 +5,22 @@
 Packed BF16 q (T, HQ, D), k, v (T, HKV, D), int32 cu_seqlens (num_docs + 1) → BF16 o (T, HQ, D).
 
 Two opaque ops (docs/ops.md):
-- `flamia::attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) -> (o, lse)`:
-  the route's fused quantizer launches for Q, K, V, then the forward kernel, from the bundle
-  (`packed_attention`, kernels chosen by the dispatch table). lse: fp32 (HQ, T), natural log.
-- `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale)
-  -> (dq, dk, dv)`: RECOMPUTES the quantization of Q, K, V (three memory-bound launches, bit for bit
-  what the forward used: the quantizers are deterministic and document-local), the dO launch
+- `flamia::attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic)
+  -> (o, lse, *codes)`: the route's fused quantizer launches for Q, K, V, then the forward kernel, from
+  the bundle (`packed_attention`, kernels chosen by the dispatch table). lse: fp32 (HQ, T), natural
+  log. codes: on routes where `attention.saves_codes` (the sm90 backward's per-token E4M3 routes:
+  fp8_token), the forward's Q, K, V codes, K-major copies and scales (9 uint8 tensors), kept for the
+  backward; else 9 empty ones.
+- `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
+  codes, deterministic) -> (dq, dk, dv)`: reads the forward's codes when given, else RECOMPUTES the
+  quantization of Q, K, V (three memory-bound launches, bit for bit what the forward used: the
+  quantizers are deterministic and document-local), the dO launch
   (`with_delta`: dO codes, scales, codes_t, delta = rowsum(dO∘O) and the zeroed dq_accum; the bf16
   route's dO launch writes only delta and dq_accum), then the `attn_bwd` kernel of the bundle. No kernel for (route, head dim, causal) → NoKernelError:
   never a silent fallback to another route or to the emulator.
 
-The forward saves only its BF16 inputs, o and lse (what autograd keeps anyway), not the FP8 codes.
+The forward saves its BF16 inputs, o and lse and, where `saves_codes`, the FP8 codes of Q, K, V
+(≈ 5 bytes per element of q, k, v; the backward then skips three quantizer launches).
 
 No host synchronisation inside either op (the dispatch profile comes from T, cu_seqlens.numel()
 and max_seqlen; work lists are built on the device), so both are CUDA-graph capturable; the fake
@@ -28,8 +33,9 @@ from typing import Optional
 
 import torch
 
-from .attention import (ARCH, NoKernelError, _current_bundle, _pick_cached, _quantize, bwd_schedule_cached,
-                        doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta)
+from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
+                        bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
+                        saves_codes)
 from .attn_bwd import _is_fp8_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
@@ -122,17 +128,38 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) 
 # ---------------------------------------------------------------- forward op
 
 
+NUM_SAVED = len(SAVED_OPERANDS) * len(SAVED_FIELDS)  # codes outputs of attention_fwd (empty when not kept)
+FwdOutputs = tuple[(torch.Tensor,) * (2 + NUM_SAVED)]  # o, lse, *codes (the schema needs a fixed arity)
+
+
 @torch.library.custom_op("flamia::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                   causal: bool, route: str, softmax_scale: Optional[float],
-                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o BF16 (T, HQ, D), lse fp32 (HQ, T)) from the bundle's quantizers + forward kernel.
-    `deterministic` is for the backward (the forward is deterministic): autograd passes it on."""
+                  deterministic: bool = False) -> FwdOutputs:
+    """(o BF16 (T, HQ, D), lse fp32 (HQ, T), *codes) from the bundle's quantizers + forward kernel.
+    `codes` (NUM_SAVED tensors): on routes where `saves_codes`, the forward's Q, K, V quantizer outputs
+    the backward reads (SAVED_FIELDS per operand: codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H),
+    uint8), so the backward does not recompute them; else empty uint8 tensors. `deterministic` is
+    for the backward (the forward is deterministic): autograd passes it on."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
+    if saves_codes(route):
+        o, lse, codes = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
+                                         int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
+                                         return_lse=True, keep_codes=True)
+        return (o, lse, *codes)
     o, lse = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
                               int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
                               return_lse=True)
-    return o, lse
+    return (o, lse, *(q.new_empty((0,), dtype=torch.uint8) for _ in range(NUM_SAVED)))
+
+
+
+def _saved_shapes(q, k) -> list[tuple]:
+    """Shapes of `attention_fwd`'s codes (SAVED_OPERANDS × SAVED_FIELDS) for q (T, HQ, D), k (T, HKV, D)."""
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    t_pad = (T + 15) // 16 * 16
+    return [s for h in (HQ, HKV, HKV) for s in ((T, h, D), (h, D, t_pad), (T, h))]
 
 
 @attention_fwd.register_fake
@@ -141,7 +168,8 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_
     T, HQ, D = q.shape
     o = q.new_empty((T, HQ, D), dtype=torch.bfloat16)
     lse = q.new_empty((HQ, T), dtype=torch.float32)
-    return o, lse
+    shapes = _saved_shapes(q, k) if saves_codes(route) else [(0,)] * NUM_SAVED
+    return (o, lse, *(q.new_empty(s, dtype=torch.uint8) for s in shapes))
 
 
 # ---------------------------------------------------------------- backward op
@@ -153,21 +181,22 @@ def _require_cuda(q: torch.Tensor) -> None:
 
 
 def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route: str,
-                  softmax_scale: float | None, deterministic: bool = False):
+                  softmax_scale: float | None, deterministic: bool = False, codes=None):
     T, HQ, D = q.shape
     b = _current_bundle(route)
     profile = doc_profile(T, cu, max_seqlen)
     # the kernel first: no backward kernel → NoKernelError before any launch
     bwd = pick_bwd(b, route, D, bool(causal), profile, deterministic=bool(deterministic))
     _require_cuda(q)
-    dq, dk, dv, _ = backward_with(b, bwd, do, q, k, v, o, lse, cu, profile, softmax_scale)
+    dq, dk, dv, _ = backward_with(b, bwd, do, q, k, v, o, lse, cu, profile, softmax_scale, codes=codes)
     return dq, dk, dv
 
 
 def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
-                  poison: bool = False):
+                  poison: bool = False, codes=None):
     """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
-    (Q, K, V recomputed bit for bit as the forward had them; dO with D = rowsum(dO∘O) and the
+    (Q, K, V recomputed bit for bit as the forward had them, unless `codes`, the forward's own
+    quantizer outputs (attention_fwd's third output), are given; dO with D = rowsum(dO∘O) and the
     zeroed dQ accumulator), then the kernel. → (dq, dk, dv, dq_accum). `verify` calls it with
     `poison=True` (dK, dV start as NaN: rows never written show)."""
     T, HQ, D = q.shape
@@ -182,10 +211,14 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         dl = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)
         return run_attn_bwd(fn, args, q, k, v, do, lse, dl["delta"], cu_seqlens=cu, params=params,
                             dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
-    # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
-    qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
-    kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
-    vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
+    if codes:
+        # the forward's own codes (attention_fwd kept them: saves_codes)
+        qq, kq, vq = (dict(zip(SAVED_FIELDS, codes[3 * i: 3 * i + 3])) for i in range(len(SAVED_OPERANDS)))
+    else:
+        # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
+        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
+        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
+        vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
     dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
     return run_attn_bwd(
         fn, args, qq["codes"], kq["codes"], vq["codes"], dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
@@ -198,17 +231,31 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
-                  softmax_scale: Optional[float],
+                  softmax_scale: Optional[float], codes: list[torch.Tensor],
                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq BF16 like q, dk, dv BF16 like k, v): dO launch + the bundle's attn_bwd kernel, or NoKernelError.
-    `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise reproducible)."""
+    `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise reproducible).
+    `codes`: attention_fwd's third output (the forward's Q, K, V codes); [] → recomputed."""
+    if codes:
+        _check_codes(codes, q, k)
     return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
                          lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale,
-                         deterministic)
+                         deterministic, codes=list(codes) if codes else None)
+
+
+def _check_codes(codes, q, k) -> None:
+    """`codes` as attention_fwd returns them: uint8, contiguous, SAVED_OPERANDS × SAVED_FIELDS shapes."""
+    want = _saved_shapes(q, k)
+    if len(codes) != len(want):
+        raise _bad("codes", f"{len(codes)} tensors, expected {len(want)} (attention_fwd's third output)")
+    for i, (t, s) in enumerate(zip(codes, want)):
+        name = f"codes[{i}] ({SAVED_OPERANDS[i // 3]} {SAVED_FIELDS[i % 3]})"
+        if t.dtype != torch.uint8 or tuple(t.shape) != s or not t.is_contiguous() or t.device != q.device:
+            raise _bad(name, f"{t.dtype} {tuple(t.shape)} on {t.device}, expected contiguous uint8 {s} on {q.device}")
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
+def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale, codes,
                         deterministic=False):
     return (q.new_empty(q.shape, dtype=torch.bfloat16), k.new_empty(k.shape, dtype=torch.bfloat16),
             v.new_empty(v.shape, dtype=torch.bfloat16))
@@ -219,20 +266,25 @@ def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, rou
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    o, lse, *codes = output
+    ctx.mark_non_differentiable(lse, *codes)
+    # no zero-filled gradients for lse and the nine code outputs (autograd would materialise them on
+    # every step: 9 fills and ~200 MiB at 4x4096); _backward handles None
+    ctx.set_materialize_grads(False)
+    codes = codes if codes[0].numel() else []  # empty placeholders: nothing was kept
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, *codes)
     ctx.max_seqlen, ctx.causal, ctx.route, ctx.softmax_scale = max_seqlen, causal, route, softmax_scale
     ctx.deterministic = deterministic
-    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_o, grad_lse):
-    # lse is non-differentiable (marked in setup_context): grad_lse is ignored
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+def _backward(ctx, grad_o, grad_lse, *grad_codes):
+    # lse and the codes are non-differentiable (marked in setup_context): their grads are ignored
+    q, k, v, o, lse, cu_seqlens, *codes = ctx.saved_tensors
     if grad_o is None:
         return None, None, None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,
-                                                ctx.causal, ctx.route, ctx.softmax_scale, ctx.deterministic)
+                                                ctx.causal, ctx.route, ctx.softmax_scale, codes,
+                                                ctx.deterministic)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -261,6 +313,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise _bad("deterministic", f"expected a bool, got {type(deterministic).__name__}")
     if isinstance(softmax_scale, int):
         softmax_scale = float(softmax_scale)
-    o, _ = torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                          max_seqlen, causal, route, softmax_scale, deterministic)
-    return o
+    return torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
+                                          max_seqlen, causal, route, softmax_scale, deterministic)[0]

@@ -296,7 +296,7 @@ def _gpu_setup(route, causal):
     if sms < int(det[0]["params"].get("sm_count", 0)):
         pytest.skip(f"{det[0]['name']} needs ≥ {det[0]['params']['sm_count']} SMs, this GPU has {sms}")
     q, k, v, cu, m = _gpu_inputs()
-    o, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
+    o, lse, *_ = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
     g = torch.Generator(device="cuda").manual_seed(3)
     do = torch.randn(o.shape, device="cuda", generator=g).to(torch.bfloat16)
     args = (do, q, k, v, o, lse, cu, doc_profile(q.shape[0], cu, m))

@@ -51,9 +51,9 @@ def test_ops_are_registered_with_their_schemas():
                                                "softmax_scale", "deterministic"]
     assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]", "bool"]
     assert fwd.arguments[-1].default_value is False and bwd.arguments[-1].default_value is False
-    assert len(fwd.returns) == 2 and len(bwd.returns) == 3
+    assert len(fwd.returns) == 2 + ops_mod.NUM_SAVED == 11 and len(bwd.returns) == 3
     assert [a.name for a in bwd.arguments][:7] == ["do", "q", "k", "v", "o", "lse", "cu_seqlens"]
-    assert bwd.arguments[-1].name == "deterministic"
+    assert [a.name for a in bwd.arguments][-2:] == ["codes", "deterministic"]
     assert not fwd.is_mutable and not bwd.is_mutable
 
 
@@ -62,12 +62,20 @@ def test_fake_tensor_propagation_fwd_and_bwd():
 
     with FakeTensorMode() as mode:
         q, k, v, cu = (mode.from_tensor(t) for t in _qkv())
-        o, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None)
+        o, lse, *codes = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None)
         assert o.shape == (T, HQ, D) and o.dtype == torch.bfloat16
         assert lse.shape == (HQ, T) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None)
+        # fp8_token keeps the forward's Q, K, V codes for the backward: codes, codes_t, scales each
+        tp = (T + 15) // 16 * 16
+        assert [tuple(c.shape) for c in codes] == [(T, HQ, D), (HQ, D, tp), (T, HQ), (T, HKV, D), (HKV, D, tp),
+                                                   (T, HKV), (T, HKV, D), (HKV, D, tp), (T, HKV)]
+        assert {c.dtype for c in codes} == {torch.uint8}
+        dq, dk, dv = torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None, codes)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert {dq.dtype, dk.dtype, dv.dtype} == {torch.bfloat16}
+        # bf16: nothing to keep (empty placeholders)
+        assert [c.shape for c in torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "bf16", None)[2:]] == \
+            [(0,)] * 9
 
 
 def test_meta_tensors_run_forward_and_backward():
@@ -210,8 +218,12 @@ def _fake_bundle(tmp_path, with_bwd=False):
 
 def _reference_fwd(monkeypatch):
     """Stand in for the GPU forward (packed_attention) so autograd runs on CPU tensors."""
-    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse):
-        return q.clone(), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse, keep_codes=False):
+        o, lse = q.clone(), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        if keep_codes:  # the forward's codes: E4M3 1.0 everywhere, scale exponent 0 (127)
+            codes = [torch.full(sh, 127 if len(sh) == 2 else 0x38, dtype=torch.uint8) for sh in ops_mod._saved_shapes(q, k)]
+            return o, lse, tuple(codes)
+        return o, lse
 
     monkeypatch.setattr(ops_mod, "packed_attention", fake_packed)
 
@@ -229,7 +241,7 @@ def test_backward_without_a_kernel_raises_no_kernel_error(monkeypatch, tmp_path)
     lse = torch.zeros(HQ, T)
     with pytest.raises(NoKernelError, match="no backward kernel for route 'bf16'"):
         torch.ops.flamia.attention_bwd(q.detach(), q.detach(), k.detach(), v.detach(), q.detach(), lse, cu, 34,
-                                       False, "bf16", None)
+                                       False, "bf16", None, [])
 
 
 def test_backward_with_a_kernel_picks_it_and_the_delta_quantizer(monkeypatch, tmp_path):
@@ -257,7 +269,7 @@ def test_backward_with_a_kernel_picks_it_and_the_delta_quantizer(monkeypatch, tm
     monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(d))
     q, k, v, cu = _qkv()
     with pytest.raises(ValueError, match="CUDA"):
-        torch.ops.flamia.attention_bwd(q, q, k, v, q, torch.zeros(HQ, T), cu, 34, True, "fp8_token", None)
+        torch.ops.flamia.attention_bwd(q, q, k, v, q, torch.zeros(HQ, T), cu, 34, True, "fp8_token", None, [])
 
 
 def _rendered_bwd_entries():
@@ -340,10 +352,11 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
     assert torch.allclose(bwd["delta"], want_delta) and bwd["delta"].shape == (HQ, t)
     assert bwd["softmax_scale"] == pytest.approx(D ** -0.5)
     if route == "fp8_token":
-        assert names[:3] == ["quant_sm90_e4m3_tok_ceil_d128_t128_h1"] * 3  # Q, K, V recomputed
-        assert names[3] == "quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1"  # the dO launch
-        launch = calls[3][1]
+        # the forward kept its Q, K, V codes (saves_codes): the backward launches only the dO quantizer
+        assert names == ["quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1", bwd_name]
+        launch = calls[0][1]
         assert bwd["dq_accum"] is launch["dq_accum"] and bwd["delta"] is launch["delta"]
+        assert bwd["q"].view(torch.uint8).eq(0x38).all() and bwd["k_scale"].eq(127).all()
         assert bwd["do"].dtype == torch.float8_e4m3fn and bwd["q_t"].shape == (HQ, D, 80)
         assert bwd["k_t"].shape == (HKV, D, 80) and bwd["v"].shape == (t, HKV, D)
         assert torch.equal(bwd["work"], bwd_schedule(cu, 64, 128, True, key_align=16, T=t).work)
@@ -388,7 +401,7 @@ def test_gpu_forward_equals_packed_attention(route, causal):
     o = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
     ref = packed_attention(q, k, v, cu, m, route=route, causal=causal)
     assert o.dtype == torch.bfloat16 and torch.equal(o, ref)
-    o2, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
+    o2, lse, *_ = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
     ref2, rlse = packed_attention(q, k, v, cu, m, route=route, causal=causal, return_lse=True)
     assert torch.equal(o2, ref2) and torch.equal(lse, rlse)
 
@@ -430,6 +443,35 @@ def test_gpu_cuda_graph_replay_bitwise_equals_eager(route, causal):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_kept_codes_equal_recomputed_codes(causal):
+    """fp8_token keeps the forward's Q, K, V codes for the backward (saves_codes): they are the codes the
+    backward's own quantizer launches recompute, bit for bit, and the deterministic backward gives the
+    same gradients bit for bit either way."""
+    from flamia_gen.runtime.attention import SAVED_FIELDS, saves_codes
+
+    assert saves_codes("fp8_token")
+    _gpu_bundle("fp8_token")
+    q, k, v, cu, m = _gpu_inputs()
+    o, lse, *codes = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, "fp8_token", None, True)
+    assert len(codes) == 9 and all(c.numel() > 0 for c in codes)
+    # recomputed by the backward's quantizer choice (ops.backward_with without codes)
+    from flamia_gen.runtime.attention import _current_bundle, _pick_cached, _quantize, doc_profile
+
+    b = _current_bundle("fp8_token")
+    prof = doc_profile(q.shape[0], cu, m)
+    for i, (x, op) in enumerate(((q, "q"), (k, "k"), (v, "v"))):
+        outs = _quantize(b, _pick_cached(str(b.root), "quant", "fp8_token", D, None, prof, op), x, cu)
+        for j, f in enumerate(SAVED_FIELDS):
+            assert torch.equal(codes[3 * i + j], outs[f]), (op, f)
+    do = torch.randn_like(o)
+    args = (do, q, k, v, o, lse, cu, m, causal, "fp8_token", None)
+    kept = torch.ops.flamia.attention_bwd(*args, codes, True)
+    again = torch.ops.flamia.attention_bwd(*args, [], True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, again))
 
 
 def _has_bwd(route, causal, d=D):
@@ -508,7 +550,8 @@ def test_deterministic_flag_is_checked_and_reaches_the_backward(monkeypatch, tmp
         flamia_gen.attention(q, k, v, cu, 34, deterministic=1)
     seen = {}
 
-    def fake_run_backward(do, q, k, v, o, lse, cu, max_seqlen, causal, route, softmax_scale, deterministic=False):
+    def fake_run_backward(do, q, k, v, o, lse, cu, max_seqlen, causal, route, softmax_scale, deterministic=False,
+                          codes=None):
         seen["deterministic"] = deterministic
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
@@ -534,7 +577,7 @@ def test_gpu_token_block_forward_op_equals_the_verified_kernel_call(route, causa
 
     b = _gpu_bundle(route)
     q, k, v, cu, m = _gpu_inputs()
-    o, lse = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
+    o, lse, *_ = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, route, None)
     fwd = _pick_cached(str(b.root), "attn_fwd", route, q.shape[2], causal, doc_profile(q.shape[0], cu, m))
     o_ref, lse_ref = run_kernel(b.get(fwd["name"]), fwd, get_route(route), q, k, v, cu)
     assert not torch.isnan(o.float()).any()
@@ -546,7 +589,8 @@ def test_gpu_token_block_forward_op_equals_the_verified_kernel_call(route, causa
             t2[pos] = (t2[pos].float() * 1e4).to(torch.bfloat16)
             args = {id(q): q, id(k): k, id(v): v}
             args[id(t)] = t2
-            o2, _ = torch.ops.flamia.attention_fwd(args[id(q)], args[id(k)], args[id(v)], cu, m, causal, route, None)
+            o2 = torch.ops.flamia.attention_fwd(args[id(q)], args[id(k)], args[id(v)], cu, m, causal, route,
+                                                None)[0]
             keep = torch.ones(o.shape[0], dtype=torch.bool, device=o.device)
             keep[pos:300 + 1000 + 1 + 129] = False
             assert torch.equal(o2[keep], o[keep])
