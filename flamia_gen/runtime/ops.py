@@ -19,8 +19,9 @@ Two opaque ops (docs/ops.md):
   route's dO launch writes only delta and dq_accum), then the `attn_bwd` kernel of the bundle. No kernel for (route, head dim, causal) → NoKernelError:
   never a silent fallback to another route or to the emulator.
 
-The forward saves its BF16 inputs, o and lse and, where `saves_codes`, the FP8 codes of Q, K, V
-(≈ 5 bytes per element of q, k, v; the backward then skips three quantizer launches).
+The forward saves o, lse and either its BF16 inputs or, where `saves_codes`, the FP8 codes of Q, K, V
+instead (≈ 5 bytes per element of q, k, v against their 6; the backward then skips three quantizer
+launches).
 
 No host synchronisation inside either op (the dispatch profile comes from T, cu_seqlens.numel()
 and max_seqlen; work lists are built on the device), so both are CUDA-graph capturable; the fake
@@ -233,9 +234,11 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
                   softmax_scale: Optional[float], codes: list[torch.Tensor],
                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq BF16 like q, dk, dv BF16 like k, v): dO launch + the bundle's attn_bwd kernel, or NoKernelError.
-    `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise reproducible).
-    `codes`: attention_fwd's third output (the forward's Q, K, V codes); [] → recomputed."""
+    """(dq BF16 shaped like q, dk, dv BF16 shaped like k, v): dO launch + the bundle's attn_bwd kernel, or
+    NoKernelError. `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise
+    reproducible). `codes`: attention_fwd's code outputs (the forward's Q, K, V codes) or [] (recomputed
+    from q, k, v). With codes, only q, k, v's shapes are read: autograd passes the Q, K, V code tensors
+    in their place (it does not keep the BF16 inputs then)."""
     if codes:
         _check_codes(codes, q, k)
     return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
@@ -271,15 +274,25 @@ def _setup_context(ctx, inputs, output):
     # no zero-filled gradients for lse and the nine code outputs (autograd would materialise them on
     # every step: 9 fills and ~200 MiB at 4x4096); _backward handles None
     ctx.set_materialize_grads(False)
-    codes = codes if codes[0].numel() else []  # empty placeholders: nothing was kept
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, *codes)
+    ctx.kept = saves_codes(route)  # else the codes are empty placeholders
+    if ctx.kept:
+        # the backward reads only the codes (and q, k, v's shapes, which the code tensors share): the
+        # BF16 q, k, v are not saved, so keeping ~5 B per element saves memory against their 6
+        ctx.save_for_backward(o, lse, cu_seqlens, *codes)
+    else:
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
     ctx.max_seqlen, ctx.causal, ctx.route, ctx.softmax_scale = max_seqlen, causal, route, softmax_scale
     ctx.deterministic = deterministic
 
 
 def _backward(ctx, grad_o, grad_lse, *grad_codes):
     # lse and the codes are non-differentiable (marked in setup_context): their grads are ignored
-    q, k, v, o, lse, cu_seqlens, *codes = ctx.saved_tensors
+    if ctx.kept:
+        o, lse, cu_seqlens, *codes = ctx.saved_tensors
+        q, k, v = codes[0], codes[3], codes[6]  # stand-ins of q, k, v's shapes: (T, HQ, D), (T, HKV, D)
+    else:
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        codes = []
     if grad_o is None:
         return None, None, None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,

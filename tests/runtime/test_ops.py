@@ -339,10 +339,19 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
     q, k, v, _ = _qkv(T=t, grad=True)
     cu = torch.tensor([0, 30, t], dtype=torch.int32)
     do = torch.randn(t, HQ, D).to(torch.bfloat16)
-    with warnings.catch_warnings():
+    saved = []
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
         warnings.simplefilter("ignore", RuntimeWarning)
         o = flamia_gen.attention(q, k, v, cu, 40, route=route)
         dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    # what autograd keeps between forward and backward: o, lse, cu_seqlens and either the BF16 q, k, v
+    # or (fp8_token) the forward's nine code tensors in their place
+    bf16_saved = [sh for dt, sh in saved if dt == torch.bfloat16]
+    if route == "fp8_token":
+        assert bf16_saved == [(t, HQ, D)] and len([1 for dt, _ in saved if dt == torch.uint8]) == 9
+    else:
+        assert sorted(bf16_saved) == sorted([(t, HQ, D), (t, HKV, D), (t, HKV, D), (t, HQ, D)])
     assert torch.equal(dq, torch.ones_like(dq)) and torch.equal(dk, torch.full_like(dk, 2.0))
     assert torch.equal(dv, torch.full_like(dv, 3.0))
     names = [n for n, _ in calls]
