@@ -679,13 +679,14 @@ def _visited_key_tiles(plan: Plan, m: int, delta: int, n_kt: int) -> int:
     return min(n_kt, -(-end // plan.tile_n))
 
 
-def _tile_max_exponent(plan: Plan, exp: torch.Tensor, start: int, delta: int, n_qt: int) -> torch.Tensor:
-    """(H, n_qt): the largest fold exponent over each query tile's tile_m *global* tokens (exp is
-    (T, H)), as the kernel reads them: the tile starts `delta` tokens before the document and may hold
-    tokens of the neighbouring documents; tokens ≥ T read scale code 0 (−127), a NaN scale 128."""
+def _tile_max_exponent(plan: Plan, exp: torch.Tensor, start: int, delta: int, n_qt: int, end: int) -> torch.Tensor:
+    """(H, n_qt): the largest fold exponent over each query tile's tokens of the document [start, end)
+    (exp is (T, H)): the tile starts `delta` tokens before the document and may hold tokens of the
+    neighbouring documents, which the kernel leaves out of the dV reference (each key row's R spans its
+    own document's queries only: no document's dV depends on another's dO); a NaN scale reads 128."""
     T = exp.shape[0]
     tok = start - delta + torch.arange(n_qt * plan.tile_m, device=exp.device)
-    ok = (tok >= 0) & (tok < T)
+    ok = (tok >= start) & (tok < end)
     e = exp[tok.clamp(0, T - 1)]
     e = torch.where(torch.isnan(e), torch.full_like(e, 128.0), e)
     e = torch.where(ok[:, None], e, torch.full_like(e, -127.0))
@@ -709,8 +710,8 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
     head) visits the KV head's query heads in order and, for each, its query tiles m_lo … m_hi − 1 in
     increasing order; each visit contracts over the tile's tile_m query rows (k-blocks of 32 rows):
     - dV += Pᵀ·dO: A = Pᵀ codes fmt(P·2^(s + edo_i − R)) (s: P's static exponent, R: the unit's running
-      max of each visited tile's largest dO exponent; a moved R rescales the accumulator by 2^(R_old −
-      R_new) first), B = dO codes; dV = acc·2^(R − s).
+      max of each visited tile's largest dO exponent over the document's own query rows; a moved R
+      rescales the accumulator by 2^(R_old − R_new) first), B = dO codes; dV = acc·2^(R − s).
     - dK += dSᵀ·Q: A = dSᵀ codes fmt(dS·2^eq_i·2^−E_j) (E_j: the key's running max of its per-tile dS
       scale exponents; a moved E rescales that accumulator row), B = Q codes; dK = acc·2^E·scale.
     - dQ: per (query tile, key tile) A = dS codes fmt(dS·2^ek_j·2^−e_i) (e_i: scale exponent of row i
@@ -755,7 +756,7 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
             qd = f.qs.doc(s, e, qh)
             do_r, do_v, qk = bo.do_rows.doc(s, e, qh), bo.do_dv.doc(s, e, qh), bo.qk.doc(s, e, qh)
             od, ld = o32[s:e, qh].transpose(0, 1), lse2[s:e, qh].transpose(0, 1)
-            edo_tile = _tile_max_exponent(plan, bo.do_dv.exp[:, qh], s, delta, n_qt)
+            edo_tile = _tile_max_exponent(plan, bo.do_dv.exp[:, qh], s, delta, n_qt, e)
             for a0 in range(0, L + delta, rows):  # chunks of whole kernel query tiles
                 a, b = max(a0 - delta, 0), min(a0 + rows - delta, L)
                 n = b if plan.causal else L

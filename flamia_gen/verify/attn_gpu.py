@@ -256,8 +256,11 @@ def probe_bwd(bundle, entry, q, k, v, do, cu, factor=1e4, n_positions=2) -> dict
     """Perturb token `pos` (q, k, v, dO, one at a time): dQ rows before `pos` in its document and
     every row of other documents must not move. dQ is reduced with fp32 atomics, so two
     identical calls may differ in its last bits: that run-to-run noise is reported beside the
-    change, and a leak is a change above it."""
-    base = _run_bwd(bundle, entry, q, k, v, do, cu)[2].float()
+    change, and a leak is a change above it. dK and dV (summed in registers, written once: no run-to-run
+    noise) of every other document must stay bit for bit (`probe_dkv_other_docs_exact`): documents
+    packed in one row, window or tile share no scale or reference."""
+    _, _, base, dk0, dv0 = _run_bwd(bundle, entry, q, k, v, do, cu)
+    base = base.float()
     again = _run_bwd(bundle, entry, q, k, v, do, cu)[2].float()
 
     def rel(a, b, keep):
@@ -268,20 +271,25 @@ def probe_bwd(bundle, entry, q, k, v, do, cu, factor=1e4, n_positions=2) -> dict
     noise = rel(again, base, full)
     lens = (cu[1:] - cu[:-1]).tolist()
     docs = [i for i, n in enumerate(lens) if n >= 64]
-    worst = 0.0
+    worst, dkv_moved = 0.0, 0
     for i in range(n_positions):
         d = docs[i % len(docs)]
         start, end = int(cu[d]), int(cu[d + 1])
         pos = start + (end - start) * (i + 1) // (n_positions + 1)
         keep = full.clone()
         keep[pos:end] = False
+        other = full.clone()
+        other[start:end] = False
         for which in ("q", "k", "v", "do"):
             t = dict(q=q, k=k, v=v, do=do)
             t[which] = t[which].clone()
             t[which][pos] = (t[which][pos].float() * factor).to(torch.bfloat16)
-            dq1 = _run_bwd(bundle, entry, t["q"], t["k"], t["v"], t["do"], cu)[2].float()
-            worst = max(worst, rel(dq1, base, keep))
-    return {"probe_dq_max_rel_change": worst, "dq_run_to_run": noise, "probe_dq_exact": worst <= noise}
+            _, _, dq1, dk1, dv1 = _run_bwd(bundle, entry, t["q"], t["k"], t["v"], t["do"], cu)
+            worst = max(worst, rel(dq1.float(), base, keep))
+            for g0, g1 in ((dk0, dk1), (dv0, dv1)):
+                dkv_moved += int((g1[other] != g0[other]).any(dim=-1).sum())
+    return {"probe_dq_max_rel_change": worst, "dq_run_to_run": noise, "probe_dq_exact": worst <= noise,
+            "probe_dkv_other_docs_rows_moved": dkv_moved, "probe_dkv_other_docs_exact": dkv_moved == 0}
 
 
 def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), hq=4, hkv=2, seed=0,
@@ -341,7 +349,7 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         # other documents: the probe checks the window's key ranges
         if probe and kind in ("gauss", "tiny_docs") and causal and route.exact:
             row.update(probe_bwd(bundle, entry, q, k, v, do, cu))
-            ok = ok and row["probe_dq_exact"]
+            ok = ok and row["probe_dq_exact"] and row["probe_dkv_other_docs_exact"]
         row["ok"] = ok
         if dump_dir and not ok:
             row["dump"] = dump_case(dump_dir, entry, kind, q=q, k=k, v=v, do=do, cu_seqlens=cu, o=o, lse=lse,

@@ -672,7 +672,7 @@ class AttnBwdSm90:
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((m, d)))
         kf = cute.make_rmem_tensor((2,), Float32)
         vf = cute.make_rmem_tensor((2,), Float32)
-        run = cute.make_rmem_tensor((3,), Int32)  # fp8: running dK exponent of rows r, r+8; running dV reference R
+        run = cute.make_rmem_tensor((4,), Int32)  # fp8: running dK exponent, then dV reference R, of rows r, r+8
         bufs = cute.make_rmem_tensor((1,), Int32)  # dS / amax buffer of the next query tile
 
         # the dQ-scale amax buffers start at 0 (then each tile's buffer is re-zeroed after its use)
@@ -698,6 +698,7 @@ class AttnBwdSm90:
                     kf[rh] = Float32(1.0)
                     vf[rh] = Float32(1.0)
                 run[2] = Int32(-127)
+                run[3] = Int32(-127)
                 acc_dV.fill(0.0)
                 acc_dK.fill(0.0)
                 pipe_kv.consumer_wait(kv_state)
@@ -795,8 +796,9 @@ class AttnBwdSm90:
                     # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
                         qq = qrow0 + c + cp
+                        outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
                         kk = key0 + tScS[2 * rh][0]
-                        if (qq < klim[rh]) | (qq >= klim[2 + rh]) | (kk > qq):
+                        if outdoc | (kk > qq):
                             p = Float32(0.0)
                             ds = Float32(0.0)
                     acc_S[i] = p
@@ -869,9 +871,10 @@ class AttnBwdSm90:
         """dK, dV of the unit (summed over the KV head's query heads) as BF16, rows of this document."""
         HKV = mdK.shape[1]
         fk = cute.make_rmem_tensor((2,), Float32)
-        fv = Float32(1.0)
+        fv = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
             fk[rh] = softmax_scale
+            fv[rh] = Float32(1.0)
         for j in cutlass.range_constexpr(cute.size(acc_dK) // 2):
             rh = j % 2
             r = tdKcdK[2 * j][0]
@@ -881,7 +884,7 @@ class AttnBwdSm90:
                 dk = cute.make_tensor(cute.recast_ptr(mdK.iterator + off, dtype=Uint32), cute.make_layout(1))
                 dk[0] = pack_bf16x2(acc_dK[2 * j] * fk[rh], acc_dK[2 * j + 1] * fk[rh])
                 dv = cute.make_tensor(cute.recast_ptr(mdV.iterator + off, dtype=Uint32), cute.make_layout(1))
-                dv[0] = pack_bf16x2(acc_dV[2 * j] * fv, acc_dV[2 * j + 1] * fv)
+                dv[0] = pack_bf16x2(acc_dV[2 * j] * fv[rh], acc_dV[2 * j + 1] * fv[rh])
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,

@@ -714,7 +714,7 @@ class AttnBwdSm90:
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((m, d)))
         kf = cute.make_rmem_tensor((2,), Float32)
         vf = cute.make_rmem_tensor((2,), Float32)
-        run = cute.make_rmem_tensor((3,), Int32)  # fp8: running dK exponent of rows r, r+8; running dV reference R
+        run = cute.make_rmem_tensor((4,), Int32)  # fp8: running dK exponent, then dV reference R, of rows r, r+8
         bufs = cute.make_rmem_tensor((1,), Int32)  # dS / amax buffer of the next query tile
 
         # the dQ-scale amax buffers start at 0 (then each tile's buffer is re-zeroed after its use)
@@ -745,6 +745,7 @@ class AttnBwdSm90:
                     kf[rh] = bits_f32(Uint32(kc) << Uint32(23))  # 2^ek
                     vf[rh] = bits_f32(Uint32(vc) << Uint32(23))  # 2^ev
                 run[2] = Int32(-127)
+                run[3] = Int32(-127)
                 acc_dV.fill(0.0)
                 acc_dK.fill(0.0)
                 pipe_kv.consumer_wait(kv_state)
@@ -830,6 +831,11 @@ class AttnBwdSm90:
             klim = self.key_ranges(tScS, mRowDoc, key0, doc_start, doc_len, window)
         warpgroup.wait_group(0)
         rbase = st * self.row_words
+        # dV reference of key row r: the max dO exponent over the tile's queries of r's own document (on
+        # masked tiles gathered in the loop below, where the document test is made anyway)
+        mxr = cute.make_rmem_tensor((2,), Float32)
+        for rh in cutlass.range_constexpr(2):
+            mxr[rh] = Float32(-127.0)
         # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
@@ -837,6 +843,8 @@ class AttnBwdSm90:
             dl = self.load2(sRow, rbase + row_word(c, 1))
             qx = self.load2(sRow, rbase + row_word(c, 2))
             dof = self.load2(sRow, rbase + row_word(c, 4))
+            if const_expr(mask):
+                edm = self.load2(sRow, rbase + row_word(c, 5))
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
@@ -846,30 +854,41 @@ class AttnBwdSm90:
                     # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
                         qq = qrow0 + c + cp
+                        outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
+                        e = edm[cp]
+                        if outdoc:
+                            e = Float32(-127.0)
+                        mxr[rh] = fmax2(mxr[rh], e)
                         kk = key0 + tScS[2 * rh][0]
-                        if (qq < klim[rh]) | (qq >= klim[2 + rh]) | (kk > qq):
+                        if outdoc | (kk > qq):
                             p = Float32(0.0)
                             ds = Float32(0.0)
                     acc_S[i] = p
                     acc_dP[i] = ds
-        # dV: Pᵀ codes = E4M3(P·2^(8 + edo − R)); R = running max of edo (all rows see the same R)
-        mxe = Float32(-127.0)
-        for cg in cutlass.range_constexpr(8):
-            ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
-            mxe = fmax2(mxe, fmax2(ed[0], ed[1]))
-        r_new = Int32(quad_max(mxe))
-        if r_new > run[2]:
-            f = pow2i(run[2] - r_new)
-            for i in cutlass.range_constexpr(cute.size(acc_dV)):
-                acc_dV[i] = acc_dV[i] * f
-            run[2] = r_new
+        # dV: Pᵀ codes = E4M3(P·2^(8 + edo − R_r)); R_r = running max of edo over the queries of key row r's
+        # own document (masked tiles: gathered above with klim; interior tiles: every query of the tile),
+        # so no document's dV depends on another document's dO (windows, the FP8 tile head, a tile's tail)
+        if const_expr(not mask):
+            mxe = Float32(-127.0)
+            for cg in cutlass.range_constexpr(8):
+                ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
+                mxe = fmax2(mxe, fmax2(ed[0], ed[1]))
+            for rh in cutlass.range_constexpr(2):
+                mxr[rh] = mxe
+        for rh in cutlass.range_constexpr(2):
+            r_new = Int32(quad_max(mxr[rh]))
+            if r_new > run[2 + rh]:
+                f = pow2i(run[2 + rh] - r_new)
+                for i in cutlass.range_constexpr(cute.size(acc_dV)):
+                    if (i // 2) % 2 == rh:
+                        acc_dV[i] = acc_dV[i] * f
+                run[2 + rh] = r_new
         for cg in cutlass.range_constexpr(8):
             ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
             for cp in cutlass.range_constexpr(2):
-                pf = pow2i(Int32(8) + Int32(ed[cp]) - run[2])
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    acc_S[i] = acc_S[i] * pf
+                    acc_S[i] = acc_S[i] * pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])
         self.convert_p(acc_S, tdVrP)
         self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, st], False)
         # dK: y = dS·2^eq per (key, query tile) group, codes E4M3(y·2^−E), E = running max exponent
@@ -976,9 +995,10 @@ class AttnBwdSm90:
         """dK, dV of the unit (summed over the KV head's query heads) as BF16, rows of this document."""
         HKV = mdK.shape[1]
         fk = cute.make_rmem_tensor((2,), Float32)
-        fv = pow2i(run[2] - Int32(8))
+        fv = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
             fk[rh] = pow2i(run[rh]) * softmax_scale
+            fv[rh] = pow2i(run[2 + rh] - Int32(8))
         for j in cutlass.range_constexpr(cute.size(acc_dK) // 2):
             rh = j % 2
             r = tdKcdK[2 * j][0]
@@ -988,7 +1008,7 @@ class AttnBwdSm90:
                 dk = cute.make_tensor(cute.recast_ptr(mdK.iterator + off, dtype=Uint32), cute.make_layout(1))
                 dk[0] = pack_bf16x2(acc_dK[2 * j] * fk[rh], acc_dK[2 * j + 1] * fk[rh])
                 dv = cute.make_tensor(cute.recast_ptr(mdV.iterator + off, dtype=Uint32), cute.make_layout(1))
-                dv[0] = pack_bf16x2(acc_dV[2 * j] * fv, acc_dV[2 * j + 1] * fv)
+                dv[0] = pack_bf16x2(acc_dV[2 * j] * fv[rh], acc_dV[2 * j + 1] * fv[rh])
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,

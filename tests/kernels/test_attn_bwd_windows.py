@@ -152,6 +152,10 @@ def test_kernel_reads_key_ranges_and_stops_at_padding():
         assert "i_lo, i_hi = Int32(0), Int32(0)  # window: every query tile masked" in src
         assert "(qq < klim[rh]) | (qq >= klim[2 + rh])" in src
         assert src.count("            if doc < 0:\n") == 2, v.name
+        if v.route == "fp8_token":
+            # the dV reference per key row, over the row's own document's queries (klim on masked tiles)
+            assert "mxr[rh] = fmax2(mxr[rh], e)" in src and "pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])" in src
+            assert "run[2]" not in src.replace("run[2 + rh]", "").replace("run[2] = Int32(-127)", "")
 
 
 def test_run_attn_bwd_passes_the_schedule_and_refuses_one_of_other_documents():

@@ -174,9 +174,10 @@ def _kernel_doc(plan, bo, p, ds, cu, doc, group):
                 h = hkv * group + hh
                 for mb in range(m_lo, m_hi):
                     q0 = mb * tm - delta
-                    # dV: R = running max of the tile's largest dO exponent over its global tokens
+                    # dV: R = running max of the tile's largest dO exponent over its tokens of this document
+                    # (the tile's rows of neighbouring documents do not count: no cross-document reference)
                     toks = [s + q0 + i for i in range(tm)]
-                    r_new = max(float(bo.do_dv.exp[t, h]) if 0 <= t < T else -127.0 for t in toks)
+                    r_new = max(float(bo.do_dv.exp[t, h]) if s <= t < e else -127.0 for t in toks)
                     if r_new > R:
                         acc_dv = acc_dv * 2.0 ** (R - r_new)
                         R, moves["dv"] = r_new, moves["dv"] + (R > -127)
@@ -232,10 +233,9 @@ def test_fp8_token_products_equal_a_per_tile_computation(docs, hq, hkv, causal):
     tm, tn = 64, 128
     q, k, v, do, cu = _inputs(docs, hq, hkv, 64, seed=11, spread=True)
     if docs[0] == 40:
-        # large dO on document 0's last tokens: they share document 1's first query tile (from token
-        # 32) and raise that tile's dO reference R, which decides which of document 1's P codes are
-        # subnormal
-        do[32:40] = (do[32:40].float() * 2.0 ** 12).to(torch.bfloat16)
+        # large dO on tokens of document 1's third query tile (rows 160 … 223 of the row): its dO
+        # reference R moves there and rescales the accumulators of the key tiles that visit it
+        do[140:148] = (do[140:148].float() * 2.0 ** 12).to(torch.bfloat16)
     route = get_route("fp8_token")
     o, lse = _forward("fp8_token", q, k, v, cu, causal)
     dq, dk, dv = rr.route_backward(route, q, k, v, o, lse, do, cu, causal, tile_m=tm, tile_n=tn, key_align=16,
@@ -251,6 +251,23 @@ def test_fp8_token_products_equal_a_per_tile_computation(docs, hq, hkv, causal):
         assert torch.equal(dq[s:e], rq), f"dQ, document {doc}"
         if docs[0] == 40 and doc == 1:  # the rescale paths ran
             assert moves["dv"] > 0 and moves["dk"] > 0
+
+
+def test_fp8_backward_documents_share_no_reference():
+    """Document 0's last tokens share document 1's first FP8 query tile (tiles start at doc_start rounded
+    down to 16): a large dO there must not move document 1's gradients by a bit (the dV reference R spans
+    each document's own queries; dK's and dQ's exponents see only the pair's dS, 0 across documents)."""
+    q, k, v, do, cu = _inputs([40, 200], 4, 2, 64, seed=11, spread=True)
+    route = get_route("fp8_token")
+    o, lse = _forward("fp8_token", q, k, v, cu, True)
+    kw = dict(tile_m=64, tile_n=128, key_align=16, mma="sm90_fp8")
+    base = rr.route_backward(route, q, k, v, o, lse, do, cu, True, **kw)
+    do2 = do.clone()
+    do2[32:40] = (do2[32:40].float() * 2.0 ** 12).to(torch.bfloat16)
+    moved = rr.route_backward(route, q, k, v, o, lse, do2, cu, True, **kw)
+    for a, b in zip(base, moved):
+        assert torch.equal(a[40:], b[40:])
+    assert not torch.equal(base[2][:40], moved[2][:40])  # document 0's own dV does move
 
 
 def test_model_scores_and_dp_are_fp8_products_of_the_codes():
