@@ -838,6 +838,26 @@ class AttnBwdSm90:
         return vals
 
     @cute.jit
+    def dv_scale_rows(self, acc_S: cute.Tensor, acc_dV: cute.Tensor, sRow: cute.Tensor, rbase: Int32,
+                      tScS: cute.Tensor, run: cute.Tensor, mxr: cute.Tensor):
+        """Masked tiles: each key row's own dV reference R_r = run[2 + rh] (mxr: this tile's max dO exponent
+        over the row's document); a moved R_r rescales that accumulator row; P·2^(s + edo − R_r)."""
+        for rh in cutlass.range_constexpr(2):
+            r_new = Int32(quad_max(mxr[rh]))
+            if r_new > run[2 + rh]:
+                f = pow2i(run[2 + rh] - r_new)
+                for i in cutlass.range_constexpr(cute.size(acc_dV)):
+                    if (i // 2) % 2 == rh:
+                        acc_dV[i] = acc_dV[i] * f
+                run[2 + rh] = r_new
+        for cg in cutlass.range_constexpr(8):
+            ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
+            for cp in cutlass.range_constexpr(2):
+                for rh in cutlass.range_constexpr(2):
+                    i = cp + 2 * rh + 4 * cg
+                    acc_S[i] = acc_S[i] * pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])
+
+    @cute.jit
     def key_ranges(self, tScS: cute.Tensor, mRowDoc: cute.Tensor, key0: Int32, doc_start: Int32, doc_len: Int32,
                    window: Int32):
         """Masked tiles: the document-local queries that see this thread's key rows, [klim[rh], klim[2 + rh]):
@@ -919,29 +939,30 @@ class AttnBwdSm90:
                     acc_S[i] = p
                     acc_dP[i] = ds
         # dV: Pᵀ codes = E4M3(P·2^(8 + edo − R_r)); R_r = running max of edo over the queries of key row r's
-        # own document (masked tiles: gathered above with klim; interior tiles: every query of the tile),
-        # so no document's dV depends on another document's dO (windows, the FP8 tile head, a tile's tail)
-        if const_expr(not mask):
+        # own document (masked tiles: gathered above with klim), so no document's dV depends on another
+        # document's dO (windows, the FP8 tile head, a tile's tail). Interior tiles: their units' key tiles
+        # lie inside one document, so both rows' R are equal there: one R, one factor per query column.
+        if const_expr(mask):
+            self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)
+        else:
             mxe = Float32(-127.0)
             for cg in cutlass.range_constexpr(8):
                 ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
                 mxe = fmax2(mxe, fmax2(ed[0], ed[1]))
-            for rh in cutlass.range_constexpr(2):
-                mxr[rh] = mxe
-        for rh in cutlass.range_constexpr(2):
-            r_new = Int32(quad_max(mxr[rh]))
-            if r_new > run[2 + rh]:
-                f = pow2i(run[2 + rh] - r_new)
+            r_new = Int32(quad_max(mxe))
+            if r_new > run[2]:
+                f = pow2i(run[2] - r_new)
                 for i in cutlass.range_constexpr(cute.size(acc_dV)):
-                    if (i // 2) % 2 == rh:
-                        acc_dV[i] = acc_dV[i] * f
-                run[2 + rh] = r_new
-        for cg in cutlass.range_constexpr(8):
-            ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
-            for cp in cutlass.range_constexpr(2):
-                for rh in cutlass.range_constexpr(2):
-                    i = cp + 2 * rh + 4 * cg
-                    acc_S[i] = acc_S[i] * pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])
+                    acc_dV[i] = acc_dV[i] * f
+                run[2] = r_new
+                run[3] = r_new
+            for cg in cutlass.range_constexpr(8):
+                ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
+                for cp in cutlass.range_constexpr(2):
+                    pf = pow2i(Int32(8) + Int32(ed[cp]) - run[2])
+                    for rh in cutlass.range_constexpr(2):
+                        i = cp + 2 * rh + 4 * cg
+                        acc_S[i] = acc_S[i] * pf
         self.convert_p(acc_S, tdVrP)
         self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, st], False)
         # dK: y = dS·2^eq per (key, query tile) group, codes E4M3(y·2^−E), E = running max exponent
