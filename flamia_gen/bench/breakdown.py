@@ -3,8 +3,9 @@ train: quantizer launches, attention kernels, torch ops around them), from torch
 
     python3 -m flamia_gen.bench.breakdown --workload tiny131072x1 --impls flamia_bf16,flamia_fp8_token
 
-The same adapters and inputs as `flamia-gen bench`, so the rows add up to the bench's time (less the
-host gaps the profiler shows separately). Kernel names are shortened; `--top` rows per call.
+The same adapters and input sets as `flamia-gen bench` (several, rotated, so L2 cannot hold them), so the
+rows add up to the bench's time, less the host gaps (wall vs GPU time). Kernel names are shortened;
+`--top` rows per call.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     from .workloads import get_workload, make_inputs
 
     w = get_workload(a.workload)
-    inputs = make_inputs(w, n_rotations=1)
+    inputs = make_inputs(w)
     adapters, notes = resolve_impls(a.impls)
     for note in notes:
         print(note)

@@ -108,7 +108,10 @@ def run_quant_bandwidth(bundle, *, T: int = 65536, H: int = 16, D: int = 128, do
             args = [by[a["name"]] for a in entry["args"]]  # bound once, not per timed call
             calls.append(lambda args=args, fn=fn: fn(*args))
 
-        nbytes = quant_bytes(T, H, D, params["write_transposed"], _scale_bytes(outs[0]))
+        if params.get("fmt") == "bf16":  # the bf16 route's dO launch writes no codes: it reads x only
+            nbytes = T * H * D * 2
+        else:
+            nbytes = quant_bytes(T, H, D, params["write_transposed"], _scale_bytes(outs[0]))
         if with_delta:
             nbytes += T * H * D * (2 + 4) + H * T * 4  # reads o, zeroes dq_accum (fp32), writes delta
         if g in ("tensor", "nvfp4"):

@@ -683,7 +683,11 @@ def _tile_max_exponent(plan: Plan, exp: torch.Tensor, start: int, delta: int, n_
     """(H, n_qt): the largest fold exponent over each query tile's tokens of the document [start, end)
     (exp is (T, H)): the tile starts `delta` tokens before the document and may hold tokens of the
     neighbouring documents, which the kernel leaves out of the dV reference (each key row's R spans its
-    own document's queries only: no document's dV depends on another's dO); a NaN scale reads 128."""
+    own document's queries only: no document's dV depends on another's dO); a NaN scale reads 128.
+    Documents the kernel runs inside a backward window (shorter than tile_n: runtime.attn_bwd.bwd_schedule)
+    are tiled from the window's start there, not from their own: the emulator keeps per-document tiles, so
+    its k-block groupings and running references are not bit-faithful for them (verify's cosine bound
+    absorbs it; the document isolation itself is exact in both)."""
     T = exp.shape[0]
     tok = start - delta + torch.arange(n_qt * plan.tile_m, device=exp.device)
     ok = (tok >= start) & (tok < end)

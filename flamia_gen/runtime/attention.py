@@ -170,8 +170,9 @@ def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torc
 def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
                      softmax_scale: float | None = None, return_lse: bool = False, keep_codes: bool = False):
     """O (T, HQ, D) BF16 for packed BF16 q (T, HQ, D), k, v (T, HKV, D); with `return_lse`, (O, LSE).
-    `keep_codes` (routes where `saves_codes`): also the forward's Q, K, V quantizer outputs the
-    backward reads, as a tuple of SAVED_FIELDS per operand (the op keeps them for the backward)."""
+    `keep_codes` (routes where `saves_codes`): returns (O, LSE, codes) whatever `return_lse` says, codes
+    the flat tuple of the forward's Q, K, V quantizer outputs the backward reads (SAVED_FIELDS[op] for
+    op in SAVED_OPERANDS: the op keeps them for the backward)."""
     if not q.is_cuda:
         raise ValueError("q: must be a CUDA tensor (the kernels run on sm90)")
     T, HQ, D = q.shape
@@ -198,15 +199,16 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
         for op in SAVED_OPERANDS:
             outs = launched.get((op, _pick_cached(root, "quant", route, D, None, profile, op)["name"]))
             if outs is None:
-                raise NoKernelError(f"route {route!r}: the forward did not launch the {op} quantizer its backward "
-                                    "reads, so it cannot keep the codes (saves_codes is wrong for this route)")
-            saved += [outs[f] for f in SAVED_FIELDS]
+                raise ValueError(f"keep_codes: route {route!r} keeps no codes (attention.saves_codes is False: "
+                                 f"its forward does not run the {op} quantizer its backward reads)")
+            saved += [outs[f] for f in SAVED_FIELDS[op]]
         return o, lse, tuple(saved)
     return (o, lse) if return_lse else o
 
 
 SAVED_OPERANDS = ("q", "k", "v")
-SAVED_FIELDS = ("codes", "codes_t", "scales")  # per operand, what the FP8 backward reads
+# per operand, what the FP8 backward reads (its ARGS: q, q_t, q_scale, k, k_t, k_scale, v, v_scale): no Vᵀ
+SAVED_FIELDS = {"q": ("codes", "codes_t", "scales"), "k": ("codes", "codes_t", "scales"), "v": ("codes", "scales")}
 
 
 @lru_cache(maxsize=32)
@@ -345,13 +347,16 @@ def _delta_quant_tag(route: str, d: int) -> str | None:
 
 @lru_cache(maxsize=64)
 def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
-    """The dO launch (`with_delta` quantizer of route.do: codes, scales, codes_t, delta, zeroed
-    dq_accum) for this call: the dispatch table's choice when bundled, else the first bundled one."""
+    """The dO launch (`with_delta` quantizer of route.do: codes, scales, codes_t, delta, zeroed dq_accum;
+    the bf16 route's writes only delta and dq_accum) for this call: the dispatch table's choice when
+    bundled, else the first bundled one."""
     b = _bundle(root)
     cands = b.for_use(route, "do", "quant", with_delta=True, head_dim=d)
     if not cands:
-        raise NoKernelError(f"no dO quantizer with delta (with_delta=True) for route={route!r} head_dim={d} "
-                            f"on {ARCH} in bundle {b.root}")
+        raise NoKernelError(f"no dO launch (a with_delta quantizer-family kernel: D = rowsum(dO∘O) and the zeroed "
+                            f"dQ accumulator) for route={route!r} head_dim={d} on {ARCH} in bundle {b.root}; "
+                            f"bundles built before 2026-11-29 lack the bf16 one: rebuild with "
+                            f"`flamia-gen bundle --arch {ARCH}`")
     names = {c["name"] for c in cands}
     tag = _delta_quant_tag(route, d)
     if tag is not None:

@@ -218,7 +218,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     zeroed one is allocated here. `poison` fills dK, dV with NaN first (rows never written show).
 
     `schedule`: `bwd_schedule` of these cu_seqlens and the variant's tiles (None → built here; the op
-    caches it per cu_seqlens tensor); one built for other documents or tiles is refused.
+    caches it per cu_seqlens tensor). Checked cheaply, without a host sync: its shapes (for these
+    documents and tiles), dtypes and device; its values are trusted (build it with `bwd_schedule` from
+    the same cu_seqlens and the variant's PARAMS).
     Deterministic variants only (ARGS name `dq_sem`; see `check_deterministic`): `dq_sem`, an int32
     (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) buffer to reuse (zeroed here on every call;
     None → allocated with torch.zeros). Everything stays on the device (no host sync: CUDA-graph
@@ -250,6 +252,10 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T)
     else:
         nw = num_work(T, cu_seqlens.numel() - 1, tile_n)
+        for t, name in zip(schedule, BwdSchedule._fields):
+            _need(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device == dev and t.is_contiguous(),
+                  "schedule", f"{name}: expected a contiguous int32 tensor on {dev}, got "
+                  f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '?')}")
         _need(tuple(schedule.cu.shape) == tuple(cu_seqlens.shape) and tuple(schedule.row_doc.shape) == (T, 2)
               and tuple(schedule.work.shape) == (nw, 3)
               and tuple(schedule.dq_tile_off.shape) == tuple(cu_seqlens.shape), "schedule",

@@ -9,8 +9,8 @@ Two opaque ops (docs/ops.md):
   -> (o, lse, *codes)`: the route's fused quantizer launches for Q, K, V, then the forward kernel, from
   the bundle (`packed_attention`, kernels chosen by the dispatch table). lse: fp32 (HQ, T), natural
   log. codes: on routes where `attention.saves_codes` (the sm90 backward's per-token E4M3 routes:
-  fp8_token), the forward's Q, K, V codes, K-major copies and scales (9 uint8 tensors), kept for the
-  backward; else 9 empty ones.
+  fp8_token), the forward's Q, K, V codes, K-major copies and scales (8 uint8 tensors: no Vᵀ), kept for
+  the backward; else 8 empty ones.
 - `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
   codes, deterministic) -> (dq, dk, dv)`: reads the forward's codes when given, else RECOMPUTES the
   quantization of Q, K, V (three memory-bound launches, bit for bit what the forward used: the
@@ -20,7 +20,7 @@ Two opaque ops (docs/ops.md):
   never a silent fallback to another route or to the emulator.
 
 The forward saves o, lse and either its BF16 inputs or, where `saves_codes`, the FP8 codes of Q, K, V
-instead (≈ 5 bytes per element of q, k, v against their 6; the backward then skips three quantizer
+instead (≈ 5 bytes per element of q, k, v against their 6 when HQ = HKV; the backward then skips three quantizer
 launches).
 
 No host synchronisation inside either op (the dispatch profile comes from T, cu_seqlens.numel()
@@ -129,7 +129,7 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale) 
 # ---------------------------------------------------------------- forward op
 
 
-NUM_SAVED = len(SAVED_OPERANDS) * len(SAVED_FIELDS)  # codes outputs of attention_fwd (empty when not kept)
+NUM_SAVED = sum(len(SAVED_FIELDS[op]) for op in SAVED_OPERANDS)  # attention_fwd's code outputs (8; empty when not kept)
 FwdOutputs = tuple[(torch.Tensor,) * (2 + NUM_SAVED)]  # o, lse, *codes (the schema needs a fixed arity)
 
 
@@ -139,8 +139,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
                   deterministic: bool = False) -> FwdOutputs:
     """(o BF16 (T, HQ, D), lse fp32 (HQ, T), *codes) from the bundle's quantizers + forward kernel.
     `codes` (NUM_SAVED tensors): on routes where `saves_codes`, the forward's Q, K, V quantizer outputs
-    the backward reads (SAVED_FIELDS per operand: codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H),
-    uint8), so the backward does not recompute them; else empty uint8 tensors. `deterministic` is
+    the backward reads (SAVED_FIELDS: Q and K codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H); V codes
+    and scales; uint8), so the backward does not recompute them; else empty uint8 tensors. `deterministic` is
     for the backward (the forward is deterministic): autograd passes it on."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
     if saves_codes(route):
@@ -156,11 +156,16 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 
 def _saved_shapes(q, k) -> list[tuple]:
-    """Shapes of `attention_fwd`'s codes (SAVED_OPERANDS × SAVED_FIELDS) for q (T, HQ, D), k (T, HKV, D)."""
+    """Shapes of `attention_fwd`'s codes (SAVED_FIELDS of SAVED_OPERANDS, flat) for q (T, HQ, D), k (T, HKV, D)."""
     T, HQ, D = q.shape
     HKV = k.shape[1]
     t_pad = (T + 15) // 16 * 16
-    return [s for h in (HQ, HKV, HKV) for s in ((T, h, D), (h, D, t_pad), (T, h))]
+    shape = {"codes": lambda h: (T, h, D), "codes_t": lambda h: (h, D, t_pad), "scales": lambda h: (T, h)}
+    return [shape[f](h) for op, h in zip(SAVED_OPERANDS, (HQ, HKV, HKV)) for f in SAVED_FIELDS[op]]
+
+
+def _saved_names() -> list[str]:
+    return [f"{op} {f}" for op in SAVED_OPERANDS for f in SAVED_FIELDS[op]]
 
 
 @attention_fwd.register_fake
@@ -197,7 +202,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
                   poison: bool = False, codes=None):
     """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
     (Q, K, V recomputed bit for bit as the forward had them, unless `codes`, the forward's own
-    quantizer outputs (attention_fwd's third output), are given; dO with D = rowsum(dO∘O) and the
+    quantizer outputs (attention_fwd's code outputs), are given; dO with D = rowsum(dO∘O) and the
     zeroed dQ accumulator), then the kernel. → (dq, dk, dv, dq_accum). `verify` calls it with
     `poison=True` (dK, dV start as NaN: rows never written show)."""
     T, HQ, D = q.shape
@@ -214,7 +219,8 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
                             dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
     if codes:
         # the forward's own codes (attention_fwd kept them: saves_codes)
-        qq, kq, vq = (dict(zip(SAVED_FIELDS, codes[3 * i: 3 * i + 3])) for i in range(len(SAVED_OPERANDS)))
+        it = iter(codes)
+        qq, kq, vq = ({f: next(it) for f in SAVED_FIELDS[op]} for op in SAVED_OPERANDS)
     else:
         # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
         qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
@@ -240,6 +246,8 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     from q, k, v). With codes, only q, k, v's shapes are read: autograd passes the Q, K, V code tensors
     in their place (it does not keep the BF16 inputs then)."""
     if codes:
+        if not saves_codes(route):
+            raise _bad("codes", f"route {route!r} keeps no forward codes (attention.saves_codes): pass []")
         _check_codes(codes, q, k)
     return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
                          lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale,
@@ -250,11 +258,13 @@ def _check_codes(codes, q, k) -> None:
     """`codes` as attention_fwd returns them: uint8, contiguous, SAVED_OPERANDS × SAVED_FIELDS shapes."""
     want = _saved_shapes(q, k)
     if len(codes) != len(want):
-        raise _bad("codes", f"{len(codes)} tensors, expected {len(want)} (attention_fwd's third output)")
-    for i, (t, s) in enumerate(zip(codes, want)):
-        name = f"codes[{i}] ({SAVED_OPERANDS[i // 3]} {SAVED_FIELDS[i % 3]})"
-        if t.dtype != torch.uint8 or tuple(t.shape) != s or not t.is_contiguous() or t.device != q.device:
-            raise _bad(name, f"{t.dtype} {tuple(t.shape)} on {t.device}, expected contiguous uint8 {s} on {q.device}")
+        raise _bad("codes", f"{len(codes)} tensors, expected {len(want)} (attention_fwd's code outputs)")
+    for i, (t, s, what) in enumerate(zip(codes, want, _saved_names())):
+        name = f"codes[{i}] ({what})"
+        if t.dtype != torch.uint8 or tuple(t.shape) != s or t.device != q.device:
+            raise _bad(name, f"{t.dtype} {tuple(t.shape)} on {t.device}, expected uint8 {s} on {q.device}")
+        if not t.is_contiguous():
+            raise _bad(name, "must be contiguous")
 
 
 @attention_bwd.register_fake
@@ -289,7 +299,7 @@ def _backward(ctx, grad_o, grad_lse, *grad_codes):
     # lse and the codes are non-differentiable (marked in setup_context): their grads are ignored
     if ctx.kept:
         o, lse, cu_seqlens, *codes = ctx.saved_tensors
-        q, k, v = codes[0], codes[3], codes[6]  # stand-ins of q, k, v's shapes: (T, HQ, D), (T, HKV, D)
+        q, k, v = codes[0], codes[3], codes[6]  # Q, K, V codes: stand-ins of q, k, v's shapes
     else:
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         codes = []

@@ -177,8 +177,9 @@ class AttnFwdHook:
 
 class AttnBwdHook:
     """The attention backward: verified against the emulator (given the kernel forward's O and
-    LSE) and fp32 before it may be timed; timed as the op runs it (Q/K/V/dO quantizer launches
-    and the kernel) on the bucket's packed row, O and LSE from a forward variant of the bundle."""
+    LSE) and fp32 before it may be timed; timed through `ops.backward_with` (the Q/K/V quantizer launches,
+    which the op skips on routes that keep the forward's codes, the dO launch and the kernel: the same for
+    every candidate of a group) on the bucket's packed row, O and LSE from a forward variant of the bundle."""
 
     kind = "attn_bwd"
 

@@ -233,8 +233,9 @@ def test_fp8_token_products_equal_a_per_tile_computation(docs, hq, hkv, causal):
     tm, tn = 64, 128
     q, k, v, do, cu = _inputs(docs, hq, hkv, 64, seed=11, spread=True)
     if docs[0] == 40:
-        # large dO on tokens of document 1's third query tile (rows 160 … 223 of the row): its dO
-        # reference R moves there and rescales the accumulators of the key tiles that visit it
+        # large dO on tokens 140 … 147, inside document 1's second query tile (rows 96 … 159 of the packed
+        # row; its tiles start at token 32): its dO reference R moves there and rescales the accumulators
+        # of the key tiles that visit it
         do[140:148] = (do[140:148].float() * 2.0 ** 12).to(torch.bfloat16)
     route = get_route("fp8_token")
     o, lse = _forward("fp8_token", q, k, v, cu, causal)

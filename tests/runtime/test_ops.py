@@ -51,7 +51,7 @@ def test_ops_are_registered_with_their_schemas():
                                                "softmax_scale", "deterministic"]
     assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]", "bool"]
     assert fwd.arguments[-1].default_value is False and bwd.arguments[-1].default_value is False
-    assert len(fwd.returns) == 2 + ops_mod.NUM_SAVED == 11 and len(bwd.returns) == 3
+    assert len(fwd.returns) == 2 + ops_mod.NUM_SAVED == 10 and len(bwd.returns) == 3
     assert [a.name for a in bwd.arguments][:7] == ["do", "q", "k", "v", "o", "lse", "cu_seqlens"]
     assert [a.name for a in bwd.arguments][-2:] == ["codes", "deterministic"]
     assert not fwd.is_mutable and not bwd.is_mutable
@@ -65,17 +65,34 @@ def test_fake_tensor_propagation_fwd_and_bwd():
         o, lse, *codes = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None)
         assert o.shape == (T, HQ, D) and o.dtype == torch.bfloat16
         assert lse.shape == (HQ, T) and lse.dtype == torch.float32
-        # fp8_token keeps the forward's Q, K, V codes for the backward: codes, codes_t, scales each
+        # fp8_token keeps the forward's Q, K, V codes for the backward: codes, codes_t, scales of Q and K,
+        # codes and scales of V (the backward reads no Vᵀ)
         tp = (T + 15) // 16 * 16
         assert [tuple(c.shape) for c in codes] == [(T, HQ, D), (HQ, D, tp), (T, HQ), (T, HKV, D), (HKV, D, tp),
-                                                   (T, HKV), (T, HKV, D), (HKV, D, tp), (T, HKV)]
+                                                   (T, HKV), (T, HKV, D), (T, HKV)]
         assert {c.dtype for c in codes} == {torch.uint8}
         dq, dk, dv = torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None, codes)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert {dq.dtype, dk.dtype, dv.dtype} == {torch.bfloat16}
         # bf16: nothing to keep (empty placeholders)
         assert [c.shape for c in torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "bf16", None)[2:]] == \
-            [(0,)] * 9
+            [(0,)] * 8
+
+
+def test_backward_op_refuses_codes_it_cannot_use():
+    q, k, v, cu = _qkv()
+    o, lse = q.clone(), torch.zeros(HQ, T)
+    codes = [torch.zeros(s, dtype=torch.uint8) for s in ops_mod._saved_shapes(q, k)]
+    with pytest.raises(ValueError, match="codes: route 'bf16' keeps no forward codes"):
+        torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "bf16", None, codes)
+    with pytest.raises(ValueError, match=r"codes\[7\] \(v scales\): torch.uint8 \(3, 2\)"):
+        torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None,
+                                       codes[:7] + [torch.zeros(3, 2, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=r"codes\[0\] \(q codes\): must be contiguous"):
+        bad = torch.zeros(HQ, T, D, dtype=torch.uint8).transpose(0, 1)
+        torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None, [bad] + codes[1:])
+    with pytest.raises(ValueError, match="codes: 5 tensors, expected 8"):
+        torch.ops.flamia.attention_bwd(o, q, k, v, o, lse, cu, 34, True, "fp8_token", None, codes[:5])
 
 
 def test_meta_tensors_run_forward_and_backward():
@@ -349,7 +366,7 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
     # or (fp8_token) the forward's nine code tensors in their place
     bf16_saved = [sh for dt, sh in saved if dt == torch.bfloat16]
     if route == "fp8_token":
-        assert bf16_saved == [(t, HQ, D)] and len([1 for dt, _ in saved if dt == torch.uint8]) == 9
+        assert bf16_saved == [(t, HQ, D)] and len([1 for dt, _ in saved if dt == torch.uint8]) == 8
     else:
         assert sorted(bf16_saved) == sorted([(t, HQ, D), (t, HKV, D), (t, HKV, D), (t, HQ, D)])
     assert torch.equal(dq, torch.ones_like(dq)) and torch.equal(dk, torch.full_like(dk, 2.0))
@@ -466,16 +483,17 @@ def test_gpu_kept_codes_equal_recomputed_codes(causal):
     _gpu_bundle("fp8_token")
     q, k, v, cu, m = _gpu_inputs()
     o, lse, *codes = torch.ops.flamia.attention_fwd(q, k, v, cu, m, causal, "fp8_token", None, True)
-    assert len(codes) == 9 and all(c.numel() > 0 for c in codes)
+    assert len(codes) == 8 and all(c.numel() > 0 for c in codes)
     # recomputed by the backward's quantizer choice (ops.backward_with without codes)
     from flamia_gen.runtime.attention import _current_bundle, _pick_cached, _quantize, doc_profile
 
     b = _current_bundle("fp8_token")
     prof = doc_profile(q.shape[0], cu, m)
-    for i, (x, op) in enumerate(((q, "q"), (k, "k"), (v, "v"))):
+    it = iter(codes)
+    for x, op in ((q, "q"), (k, "k"), (v, "v")):
         outs = _quantize(b, _pick_cached(str(b.root), "quant", "fp8_token", D, None, prof, op), x, cu)
-        for j, f in enumerate(SAVED_FIELDS):
-            assert torch.equal(codes[3 * i + j], outs[f]), (op, f)
+        for f in SAVED_FIELDS[op]:
+            assert torch.equal(next(it), outs[f]), (op, f)
     do = torch.randn_like(o)
     args = (do, q, k, v, o, lse, cu, m, causal, "fp8_token", None)
     kept = torch.ops.flamia.attention_bwd(*args, codes, True)
