@@ -45,9 +45,11 @@ DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"
 
 
-def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_variants=None):
+def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_variants=None, experiments=None):
     """[(tag, variant)]: the route's default sm90 forward variants (tag "") and, per flag, the
-    overridden copies named `<name>_x<tag>`. Needs only the planner (no DSL)."""
+    overridden copies named `<name>_x<tag>`. Needs only the planner (no DSL). `experiments`
+    (default: this module's EXPERIMENTS) lets the backward's experiments reuse it."""
+    experiments = EXPERIMENTS if experiments is None else experiments
     if base_variants is None:
         from ..plan import make_plan
         from ..spec import KernelKind, load_specs
@@ -56,9 +58,9 @@ def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_vari
         base_variants = plan.variants
     out = [("", v) for v in base_variants]
     for tag in flags:
-        if tag not in EXPERIMENTS:
-            raise KeyError(f"unknown experiment {tag!r}; known: {sorted(EXPERIMENTS)}")
-        ex = EXPERIMENTS[tag]
+        if tag not in experiments:
+            raise KeyError(f"unknown experiment {tag!r}; known: {sorted(experiments)}")
+        ex = experiments[tag]
         for v in base_variants:
             p = dict(v.params)
             if not ex["when"](p):
@@ -68,15 +70,13 @@ def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_vari
     return out
 
 
-def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE) -> dict:
-    """Build the default variants and every experiment's overridden variants into ONE bundle at
-    `out_dir` (one runtime copy). Needs the DSL (imported lazily through the builder)."""
+def build_variants_bundle(out_dir, vs, *, jobs: int = 2) -> dict:
+    """Build variants `vs` into ONE bundle at `out_dir` (one runtime copy), printing one line per
+    variant. Needs the DSL (imported lazily through the builder)."""
     from ..build.builder import build_all
     from ..build.bundle import write_bundle
     from ..build.cache import BuildCache
 
-    tagged = experiment_variants(flags, route)
-    vs = [v for _, v in tagged]
     cache = BuildCache()
     t0 = time.perf_counter()
     res = build_all(vs, jobs=jobs, cache=cache, use_generated=False)
@@ -88,9 +88,15 @@ def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 
     return m
 
 
-def split_name(name: str) -> tuple[str, str]:
+def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE) -> dict:
+    """Build the default variants and every experiment's overridden variants into ONE bundle at
+    `out_dir` (one runtime copy). Needs the DSL (imported lazily through the builder)."""
+    return build_variants_bundle(out_dir, [v for _, v in experiment_variants(flags, route)], jobs=jobs)
+
+
+def split_name(name: str, experiments=None) -> tuple[str, str]:
     """(base variant name, experiment tag or "")."""
-    for tag in sorted(EXPERIMENTS, key=len, reverse=True):
+    for tag in sorted(EXPERIMENTS if experiments is None else experiments, key=len, reverse=True):
         if name.endswith(f"_x{tag}"):
             return name[: -len(tag) - 2], tag
     return name, ""

@@ -1,0 +1,231 @@
+"""Flag-gated experiments of the sm90 attention backward (one GPU session), as `fwd_experiments`.
+
+Build here (CPU, needs the DSL): one bundle with the default backward variants of the routes at
+D = 128 (plus the forward and quantizer variants their op path needs) and, per experiment, the
+backward variants rendered with that experiment's template flags (name suffix `_x<tag>`):
+
+    python -m flamia_gen.bench.bwd_experiments build -o .dev/bundle-bexp [--only dqamax0,dqamax4]
+
+On the GPU host (no DSL): per backward variant, verify (Gaussian + tiny documents, emulator and fp32
+bounds, the leakage probe on causal exact routes), compare its dQ, dK, dV **bit for bit** with the
+default variant of the same name on the same inputs (dK and dV are written once from registers;
+dQ is bitwise reproducible only on `_det` variants, so elsewhere its largest difference is printed),
+and time it through the op's backward path on each workload; print one table:
+
+    python -m flamia_gen.bench.bwd_experiments run .dev/bundle-bexp [--json out.json]
+
+Flags (templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md): every flag has a template default
+and a render-context override of the same name. This module imports without the DSL (and without
+torch until `run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .fwd_experiments import build_variants_bundle, experiment_variants, split_name
+
+_fp8 = lambda p: p.get("q_fmt") == "e4m3"  # noqa: E731
+
+# tag → (render-context / params overrides, which default variants it applies to, note)
+EXPERIMENTS: dict[str, dict] = {
+    # bwd_alu_trim (templates/sm90/attn_bwd.py.j2): the same values from fewer instructions; the dQ-scale
+    # amax by per-column butterflies (trim0) or by a reduce-scatter in batches of 1, 2, 4 column groups
+    **{f"trim{cg}": dict(over={"bwd_alu_trim": True, "bwd_dq_amax_cg": cg}, when=_fp8,
+                         note=f"ALU trim, dQ amax {'per-column butterflies' if cg == 0 else f'reduce-scatter, {2 * cg} columns a batch'}")
+       for cg in (0, 1, 2, 4)},
+}
+DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
+ROUTES = ("fp8_token", "bf16")
+HEAD_DIM = 128
+
+
+def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM):
+    """(backward variants, what their op path needs: forward and quantizer variants) of the routes at
+    `head_dim` — one forward variant per causality is enough (backward_setup takes any)."""
+    from ..plan import make_plan
+    from ..spec import KernelKind, load_specs
+
+    plan = make_plan(load_specs(), arch="sm90", routes=list(routes))
+    at_d = [v for v in plan.variants if v.param("head_dim") == head_dim]
+    bwd = [v for v in at_d if v.kind == KernelKind.attn_bwd]
+    fwd, seen = [], set()
+    for v in at_d:
+        if v.kind != KernelKind.attn_fwd:
+            continue
+        key = (v.route, v.param("causal"))
+        if key not in seen:
+            seen.add(key)
+            fwd.append(v)
+    quant = [v for v in at_d if v.kind == KernelKind.quant]
+    return bwd, fwd + quant
+
+
+def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2) -> dict:
+    bwd, support = base_variants()
+    tagged = experiment_variants(flags, base_variants=bwd, experiments=EXPERIMENTS)
+    return build_variants_bundle(out_dir, [v for _, v in tagged] + support, jobs=jobs)
+
+
+def _inputs(entry, doc_lens, heads, seed):
+    import torch
+
+    from ..verify.attn_gpu import make_qkv
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, cu = make_qkv(list(doc_lens), heads, heads, entry["params"]["head_dim"], "gauss", g, "cuda")
+    do = torch.randn(q.shape, generator=g).to(torch.bfloat16).cuda()
+    return q, k, v, do, cu
+
+
+def compare_bitwise(b, entry, ref_entry, doc_lens=(1000, 3000, 77, 1), heads=4, seed=3) -> dict:
+    """dQ, dK, dV of `entry` against `ref_entry` on the same inputs (the same forward O and LSE):
+    whether each is bitwise equal, and dQ's largest absolute difference."""
+    from ..runtime.ops import backward_with
+    from ..verify.attn_gpu import backward_setup
+
+    q, k, v, do, cu = _inputs(entry, doc_lens, heads, seed)
+    o, lse, prof = backward_setup(b, ref_entry, q, k, v, cu)
+    got = backward_with(b, entry, do, q, k, v, o, lse, cu, prof, poison=True)[:3]
+    ref = backward_with(b, ref_entry, do, q, k, v, o, lse, cu, prof, poison=True)[:3]
+    out = {f"{n}_bitwise": bool(torch_equal(x, y)) for n, x, y in zip(("dq", "dk", "dv"), got, ref)}
+    out["dq_max_abs_diff"] = float((got[0].float() - ref[0].float()).abs().max())
+    return out
+
+
+def torch_equal(a, b) -> bool:
+    """Bit for bit, NaN included (a NaN in the same place with the same payload counts as equal)."""
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.contiguous().view(torch.int16 if a.element_size() == 2 else
+                                                                        torch.int32),
+                                                   b.contiguous().view(torch.int16 if b.element_size() == 2 else
+                                                                       torch.int32)))
+
+
+def time_entry(b, entry, doc_lens, heads=16, iters=20) -> float:
+    """Median ms of the op's backward path (quantizer launches + dO launch + kernel), as the tuner times it."""
+    from types import SimpleNamespace
+
+    from ..tune.gpu import AttnBwdHook
+
+    ms = AttnBwdHook().time(b, entry, SimpleNamespace(doc_lens=list(doc_lens), heads=heads), 0, repeats=iters)
+    return sorted(ms)[len(ms) // 2]
+
+
+def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True, iters=20, json_out=None,
+        causal_only=False) -> list[dict]:
+    from ..bench.flops import attention_flops
+    from ..runtime.bundle import load_bundle
+    from ..verify.attn_gpu import verify_bwd_entry
+
+    b = load_bundle(bundle_dir)
+    entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == "attn_bwd"]
+    if only:
+        keep = set(only)
+        entries = [e for e in entries if split_name(e["name"], EXPERIMENTS)[1] in keep]
+    if causal_only:
+        entries = [e for e in entries if e["params"]["causal"]]
+    rows, t_start = [], time.perf_counter()
+    for e in entries:
+        base, tag = split_name(e["name"], EXPERIMENTS)
+        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
+        try:
+            if verify:
+                vr = verify_bwd_entry(b, e, kinds=("gauss", "tiny_docs"))
+                row["ok"] = all(r["ok"] for r in vr)
+                row["cos_emu"] = min(r["cos_emulator"] for r in vr)
+                row["cos_fp32"] = min(r["cos_fp32"] for r in vr)
+            if tag:
+                row.update(compare_bitwise(b, e, b.variants[base]))
+            for docs in workloads:
+                ms = time_entry(b, e, docs, iters=iters)
+                fl = attention_flops(list(docs), 16, e["params"]["head_dim"], causal=e["params"]["causal"], mode="bwd")
+                row[f"{len(docs)}x{docs[0]}"] = ms
+                row[f"{len(docs)}x{docs[0]}_tflops"] = fl / (ms * 1e-3) / 1e12
+        except Exception as ex:  # noqa: BLE001 - one broken experiment must not stop the table
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        rows.append(row)
+        print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+    print()
+    print(table(rows, workloads))
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _keys(workloads):
+    return [f"{len(d)}x{d[0]}" for d in workloads]
+
+
+def _fmt_row(row, workloads) -> str:
+    short = row["variant"].replace("attn_bwd_sm90_", "").replace("_m64n128_s2_wg2_preg_longest_first", "")
+    cells = [f"{short:32s}", f"{row['tag']:8s}"]
+    if "ok" in row:
+        cells.append(f"{'ok ' if row['ok'] else 'BAD'} emu {row['cos_emu']:.7f} fp32 {row['cos_fp32']:.5f}")
+    if "dk_bitwise" in row:
+        cells.append("bitwise dq/dk/dv " + "/".join("=" if row[f"{n}_bitwise"] else "≠" for n in ("dq", "dk", "dv"))
+                     + f" (dq max {row['dq_max_abs_diff']:.1e})")
+    for k in _keys(workloads):
+        cells.append(f"{k} {row[k]:7.3f} ms" if k in row else f"{k}       -")
+    if "error" in row:
+        cells.append("ERROR " + row["error"])
+    return "  ".join(cells)
+
+
+def table(rows, workloads) -> str:
+    """One line per variant × experiment: verify, bitwise equality with the default, ms (× default)."""
+    base = {r["variant"]: r for r in rows if r["tag"] == "default"}
+    lines = ["variant | experiment | verify | cos_emu | bitwise dq/dk/dv vs default | " + " | ".join(
+        f"{k} ms (×default)" for k in _keys(workloads)), "---|---|---|---|---|" + "---|" * len(workloads)]
+    for r in sorted(rows, key=lambda r: (r["variant"], r["tag"] != "default", r["tag"])):
+        cells = [r["variant"].replace("attn_bwd_sm90_", ""), r["tag"],
+                 ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
+                 f"{r['cos_emu']:.7f}" if "cos_emu" in r else "-",
+                 "/".join("=" if r[f"{n}_bitwise"] else "≠" for n in ("dq", "dk", "dv")) if "dk_bitwise" in r else "-"]
+        for k in _keys(workloads):
+            if k not in r:
+                cells.append("ERROR" if "error" in r else "-")
+                continue
+            d = base.get(r["variant"], {}).get(k)
+            cells.append(f"{r[k]:.3f}" + (f" ({r[k] / d:.3f}×)" if d and r["tag"] != "default" else ""))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flamia_gen.bench.bwd_experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    bp = sub.add_parser("build", help="CPU: build the experiment bundle (needs the DSL)")
+    bp.add_argument("-o", "--out", default=".dev/bundle-bexp")
+    bp.add_argument("--only", default=",".join(DEFAULT_EXPERIMENTS), help="comma-separated experiment tags")
+    bp.add_argument("--jobs", type=int, default=2)
+    rp = sub.add_parser("run", help="GPU: verify, compare and time every backward variant of the bundle")
+    rp.add_argument("bundle")
+    rp.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
+    rp.add_argument("--no-verify", action="store_true")
+    rp.add_argument("--causal-only", action="store_true")
+    rp.add_argument("--iters", type=int, default=20)
+    rp.add_argument("--json", default=None)
+    sub.add_parser("list", help="print the experiments")
+    a = ap.parse_args(argv)
+    if a.cmd == "list":
+        for tag, ex in EXPERIMENTS.items():
+            print(f"{tag:9s} {ex['over']}  {ex['note']}")
+        return 0
+    if a.cmd == "build":
+        m = build(a.out, [f for f in a.only.split(",") if f], jobs=a.jobs)
+        return 0 if m["variants"] else 1
+    only = [t if t != "default" else "" for t in a.only.split(",") if t] or None
+    rows = run(a.bundle, only=only, verify=not a.no_verify, iters=a.iters, json_out=a.json,
+               causal_only=a.causal_only)
+    return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The FP8 backward's dQ-scale amax (templates/sm90/attn_bwd.py.j2, one_tile; docs/kernels/attn_bwd.md
+"dQ amax by reduce-scatter").
+
+CPU only. The rendered module's own helpers run on Python ints with stand-ins for the DSL scalar
+types: `dq_amax_owned` must name, for every lane and batch, exactly the column whose whole-warp
+maximum the reduce-scatter leaves in that lane (simulated over 32 lanes with the template's round
+rule), every column of the warp must be owned, and the order-key exponents (`ds_key`,
+`pow2i_neg_ds_key`, `pow2i_ds_key`) must equal the quantizer contract's `ceil` exponent
+(numerics.quantize.pow2_exponent) and the kernel's previous ds_exponent on every finite amax.
+On the H200 the kernels are compared with the old path bit for bit (`bench.bwd_experiments`).
+"""
+
+from __future__ import annotations
+
+import ast
+import struct
+
+import pytest
+import torch
+
+from flamia_gen.numerics.quantize import pow2_exponent
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.spec import ExponentRule, Format, load_specs
+
+
+@pytest.fixture(scope="module")
+def fp8_variant():
+    plan = make_plan(load_specs(), arch="sm90")
+    return next(v for v in plan.variants if v.kind.value == "attn_bwd" and v.route == "fp8_token"
+                and v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+
+
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _float(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b & 0xFFFFFFFF))[0]
+
+
+class _C:  # cutlass.min / cutlass.max on ints
+    min = staticmethod(min)
+    max = staticmethod(max)
+
+
+def _helpers(src: str, names=("dq_amax_owned", "ds_key", "pow2i_neg_ds_key", "pow2i_ds_key", "ds_exponent",
+                              "pow2i")):
+    """The named module-level functions and constants of a rendered backward, runnable on Python ints."""
+    tree = ast.parse(src)
+    consts, fns = {}, []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ("DQ_AMAX_CG", "DQ_AMAX_SCATTER"):
+            consts[node.targets[0].id] = ast.literal_eval(node.value)
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            node.decorator_list = []
+            fns.append(node)
+    ns = dict(consts, cutlass=_C, Int32=int, Uint32=lambda x: int(x) & 0xFFFFFFFF, f32_bits=_bits, bits_f32=_float)
+    exec(compile(ast.Module(body=fns, type_ignores=[]), "attn_bwd_helpers", "exec"), ns)
+    return ns
+
+
+def _simulate(ns, vals: torch.Tensor) -> dict:
+    """The template's batches over 32 lanes: vals[lane, cg, cp] (the thread's max over its 2 key rows).
+    Round r (xor 4·2^r, r < SCATTER) keeps the upper half iff bit 2 + r of the lane is set; the
+    remaining rounds (up to xor 16) are plain butterflies. → {(lane, b): value left in am[0]}."""
+    cg_per, scatter = ns["DQ_AMAX_CG"], ns["DQ_AMAX_SCATTER"]
+    out = {}
+    for b in range(8 // cg_per):
+        am = [[float(vals[l, cg_per * b + cl, cp]) for cl in range(cg_per) for cp in range(2)] for l in range(32)]
+        half = cg_per
+        for rnd in range(scatter):
+            new = []
+            for l in range(32):
+                p = l ^ (4 << rnd)
+                up_l, up_p = (l >> (2 + rnd)) & 1, (p >> (2 + rnd)) & 1
+                row = list(am[l])
+                for v in range(half):
+                    keep = am[l][v + half] if up_l else am[l][v]
+                    send_p = am[p][v] if up_p else am[p][v + half]
+                    row[v] = max(keep, send_p)
+                new.append(row)
+            am, half = new, half // 2
+        for rnd in range(scatter, 3):
+            am = [[max(am[l][0], am[l ^ (4 << rnd)][0])] + am[l][1:] for l in range(32)]
+        for l in range(32):
+            out[(l, b)] = am[l][0]
+    return out
+
+
+@pytest.mark.parametrize("cg", [1, 2, 4])
+def test_reduce_scatter_owner_is_the_column_it_holds(fp8_variant, cg):
+    src = _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=cg)
+    ns = _helpers(src)
+    assert ns["DQ_AMAX_CG"] == cg and ns["DQ_AMAX_SCATTER"] == {1: 1, 2: 2, 4: 3}[cg]
+    # the round rule the simulation restates, as the kernel has it
+    assert "upper = ((lane >> Int32(2 + rnd)) & Int32(1)) != Int32(0)" in src
+    assert "send = Float32(cutlass.select_(upper, am[v], am[v + half]))" in src
+    assert "keep = Float32(cutlass.select_(upper, am[v + half], am[v]))" in src
+    g = torch.Generator().manual_seed(cg)
+    for trial in range(3):
+        vals = torch.rand((32, 8, 2), generator=g)  # distinct values: a wrong column cannot pass by luck
+        got = _simulate(ns, vals)
+        owned = {}
+        for (lane, b), value in got.items():
+            cg_own, cp_own = ns["dq_amax_owned"](lane, b)
+            assert cg * b <= cg_own < cg * (b + 1) and cp_own in (0, 1)
+            col = 8 * cg_own + 2 * (lane % 4) + cp_own  # wgmma C layout
+            # the whole-warp maximum of that column: the 8 lanes with the same lane % 4
+            want = max(float(vals[l, cg_own, cp_own]) for l in range(32) if l % 4 == lane % 4)
+            assert value == want, (lane, b, cg_own, cp_own)
+            owned.setdefault(col, set()).add(value)
+        assert sorted(owned) == list(range(64))  # every column of the 64-query tile, once or with one value
+        assert all(len(s) == 1 for s in owned.values())
+
+
+def test_off_by_default_and_the_trim_renders(fp8_variant):
+    """Off (the default until run on a GPU): none of the trim (the committed generated/ file, checked by
+    test_render, is then the verified kernel). On: batches of 2 column groups by default, no per-column
+    branch; bwd_dq_amax_cg=0 keeps the per-column butterfly and its lane < 4 atomics."""
+    off = _render(fp8_variant)
+    assert "bwd_alu_trim" not in off and "DQ_AMAX_CG" not in off and "ds_key" not in off
+    assert "if lane < 4:" in off and "sRow[rbase + row_word(c, 5)] = Float32(dcs[j] - 127)" in off
+    on = _render(fp8_variant, bwd_alu_trim=True)
+    assert '"bwd_alu_trim": True' in on and "DQ_AMAX_CG = 2" in on and "if lane < 4:" not in on
+    assert "sRow[rbase + row_word(c, 5)] = bits_f32(Uint32(dcs[j]))" in on and "Int32(ed[cp])" not in on
+    old = _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=0)
+    assert "DQ_AMAX_CG = 0" in old and "if lane < 4:" in old and "cg_own, cp_own = dq_amax_owned(lane, b)" not in old
+    with pytest.raises(Exception, match="bwd_dq_amax_cg"):
+        _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=3)
+
+
+def _amax_samples() -> list[float]:
+    g = torch.Generator().manual_seed(0)
+    edges = [0.0, 2.0 ** -149, 2.0 ** -127, 2.0 ** -126, 1.0, 1.75, 1.75 + 2.0 ** -22, 448.0, 448.0 * (1 + 2.0 ** -23),
+             3.4e38, 2.0 ** 120, 2.0 ** 127 * 1.9]
+    rnd = (torch.randn(20000, generator=g).abs() * torch.exp2(torch.randint(-140, 128, (20000,), generator=g).float()))
+    return edges + [x for x in rnd.tolist() if x < 3.4e38]
+
+
+def test_order_keys_give_the_contract_exponent(fp8_variant):
+    ns = _helpers(_render(fp8_variant, bwd_alu_trim=True))
+    amax = _amax_samples()
+    ref, _, _ = pow2_exponent(torch.tensor(amax, dtype=torch.float32), Format.e4m3, ExponentRule.ceil)
+    for a, e in zip(amax, ref.tolist()):
+        k = ns["ds_key"](_float(_bits(a)))
+        assert 0 <= k <= 256
+        assert ns["ds_exponent"](_float(_bits(a))) == e, a  # the kernel's previous exponent
+        assert ns["pow2i_neg_ds_key"](k) == ns["pow2i"](-e), a
+        assert ns["pow2i_ds_key"](k) == ns["pow2i"](e), a
+    # the max of keys is the key of the max (keys are monotone in the amax), NaN above everything
+    keys = [ns["ds_key"](_float(_bits(a))) for a in sorted(amax)]
+    assert keys == sorted(keys)
+    assert ns["ds_key"](_float(0x7FFFFFFF)) == 256 > ns["ds_key"](float("inf")) == 255
+
+
+def _ptx_counts(ptx: str) -> dict:
+    return {"shfl": ptx.count("shfl.sync"), "atom_max": ptx.count("atom.shared.max"),
+            "cvt_rzi": ptx.count("cvt.rzi.s32.f32"), "ex2": ptx.count("ex2.approx.ftz.f32")}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("det", [False, True])
+def test_compile_trim_variant(fp8_variant, compile_sm90, tmp_path, det):
+    """The trim cross-compiles for sm_90a (both tile copies, deterministic too): per tile copy 8 / 2 =
+    4 shared atomics (one per batch and lane) instead of 16 behind a branch, fewer shuffles, and no
+    float → int conversion of dO's exponent; the softmax (ex2) is untouched."""
+    plan = make_plan(load_specs(), arch="sm90")
+    v = fp8_variant if not det else next(
+        x for x in plan.variants if x.kind.value == "attn_bwd" and x.route == "fp8_token" and x.param("head_dim") == 128
+        and x.param("causal") and dict(x.params).get("deterministic"))
+    off = _ptx_counts(compile_sm90(v, source=_render(v)))
+    for p in (tmp_path / "dump").glob("*.ptx"):
+        p.unlink()
+    on = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=True)))
+    assert on["ex2"] == off["ex2"] == 64
+    assert off["atom_max"] == 32 and on["atom_max"] == 8, (off, on)
+    assert on["shfl"] <= off["shfl"] - 60, (off, on)
+    assert off["cvt_rzi"] > 0 and on["cvt_rzi"] < off["cvt_rzi"], (off, on)
+
+
+# ----------------------------------------------------------------------------- bench.bwd_experiments
+def test_bwd_experiments_variants_names_and_support():
+    """One bundle: every default backward of the routes at D = 128, the trim copies of the fp8 ones
+    (render-context overrides in their params), and one forward per (route, causality) plus the
+    quantizers their op path needs. Names are unique and split back into (base, tag)."""
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    bwd, support = bx.base_variants()
+    assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
+    tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
+    names = [v.name for _, v in tagged]
+    assert len(names) == len(set(names)) == 8 + 4 * 4  # 4 fp8 backward variants × 4 trims
+    for tag, v in tagged:
+        assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
+        if tag:
+            assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is True
+            src = _render(v)
+            assert f"DQ_AMAX_CG = {dict(v.params)['bwd_dq_amax_cg']}" in src
+    fwd = {v.route for v in support if v.kind.value == "attn_fwd"}
+    uses = {u for v in support if v.kind.value == "quant" for u in v.uses}
+    assert fwd == {"fp8_token", "bf16"} and {"fp8_token.q", "fp8_token.k", "fp8_token.v", "fp8_token.do", "bf16.do"} <= uses
+    assert len([v for v in support if v.kind.value == "attn_fwd"]) == 4  # one per route and causality
+
+
+def test_bwd_experiments_table_reports_ratios_and_bitwise():
+    from flamia_gen.bench import bwd_experiments as bx
+
+    wl = ((4096,) * 4,)
+    rows = [dict(variant="attn_bwd_sm90_fp8_token_x", tag="default", ok=True, cos_emu=0.9999979, cos_fp32=0.9978,
+                 **{"4x4096": 3.0}),
+            dict(variant="attn_bwd_sm90_fp8_token_x", tag="trim2", ok=True, cos_emu=0.9999979, cos_fp32=0.9978,
+                 dq_bitwise=False,
+                 dk_bitwise=True, dv_bitwise=True, dq_max_abs_diff=1e-7, **{"4x4096": 2.7})]
+    t = bx.table(rows, wl)
+    assert "2.700 (0.900×)" in t and "≠/=/=" in t
+    assert "bitwise dq/dk/dv ≠/=/=" in bx._fmt_row(rows[1], wl)
