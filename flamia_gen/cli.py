@@ -76,7 +76,9 @@ def specs_list(specs_dir):
     for r in s.routes.values():
         ops = {o.value: oq.short_str() for o, oq in r.operands.items()}
         guards = ",".join(g for g, on in (("diag:" + r.diagonal.value, r.diagonal.value != "none"),
-                                          ("k_fold", r.k_fold), ("causal_dq", r.causal_dq_scale)) if on) or "-"
+                                          ("k_fold", r.k_fold), ("causal_dq", r.causal_dq_scale),
+                                          ("qk:bf16", r.scores_bf16), ("p_ref:" + r.p_reference.value,
+                                                                        r.p_reference.value != "ceil")) if on) or "-"
         t.add_row(r.name, ops["q"], ops["k"], ops["v"], ops["do"], ops["p"], ops["ds"], guards,
                   "yes" if r.exact else "no")
     console.print(t)

@@ -22,6 +22,12 @@ Safeguards (what each removes is in docs/numerics.md):
 - `causal_dq_scale` → dS for dQ is scaled per (query row, key tile) from visible keys;
 - `exact` with token_block Q/dO → Q and dO rows use per-token exponents in the products that
   feed O_i and dQ_i (QKᵀ, dP = dO·Vᵀ, D = rowsum(dO∘O)); the token-block copies serve dK, dV.
+
+Score precision (docs/numerics.md §4.1, outlier tokens):
+- `scores_bf16` → QKᵀ and its backward recomputation take the BF16 q, k (exact fp32 sums, as a
+  BF16 wgmma); q's and k's representations serve only dK = dSᵀ·Q and dQ = dS·K;
+- `p_reference: exact` → the forward's P̂ is rounded under the running fp32 row max, not its
+  integer ceil, so a row's dominant P̂ is exactly 2^static_exponent.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.enums import ExponentRule, Format, Granularity
+from ..spec.enums import ExponentRule, Format, Granularity, PReference
 from ..spec.route import OperandQuant, Route
 from . import formats
 from .exp2 import exp2_poly3, poly_columns, poly_quarters
@@ -47,6 +53,7 @@ LN2 = 0.6931471805599453
 _FOLDABLE = (Granularity.token, Granularity.token_block, Granularity.tensor)
 _E4M3_TB = OperandQuant(format=Format.e4m3, granularity=Granularity.token_block,
                         exponent_rule=ExponentRule.ceil)
+_BF16 = OperandQuant(format=Format.bf16, granularity=Granularity.none)  # scores_bf16: q, k in QKᵀ
 
 
 # ---- element and scale arithmetic (docs/quantizer-contract.md, Steps 3-4)
@@ -179,6 +186,8 @@ class Plan:
     mma_dk: bool = False  # dK += dSᵀ·Q likewise
     mma_dq: bool = False  # dQ = dS·K likewise, per (query tile, key tile); the cross-tile sum stays fp32
     exp_poly_quarters: int = 0  # route exp_approx: columns whose exp2 is the FMA polynomial (numerics.exp2)
+    scores_bf16: bool = False  # route scores_bf16: QKᵀ on the BF16 inputs (q, k codes serve dK, dQ only)
+    p_exact: bool = False  # route p_reference exact: P̂ under the running fp32 max, not its integer ceil
 
 
 def _needs_32(route: Route) -> bool:
@@ -217,13 +226,14 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         causal_rows_do=route.exact and ops.do.granularity is Granularity.token_block,
         causal_dq=route.causal_dq_scale,
         chunk=max(tile_m, (chunk // tile_m) * tile_m), key_align=key_align,
-        mma_qk=fp8_mma and _fp8_codes(ops.q) and _fp8_codes(ops.k),
+        mma_qk=fp8_mma and not route.scores_bf16 and _fp8_codes(ops.q) and _fp8_codes(ops.k),
         mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized,
         mma_dp=fp8_mma and _fp8_codes(ops.do) and _fp8_codes(ops.v),
         mma_dv=fp8_mma and _fp8_format(ops.p) and _fp8_codes(ops.do),
         mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)),
         mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)),
-        exp_poly_quarters=poly_quarters(route.exp_approx.value))
+        exp_poly_quarters=poly_quarters(route.exp_approx.value),
+        scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact)
 
 
 @dataclass(frozen=True)
@@ -248,9 +258,12 @@ class BackwardOps:
 def prepare_forward(plan: Plan, q, k, v, cu) -> ForwardOps:
     ops = plan.route.operands
     qspec = _token_spec(ops.q) if plan.causal_rows_q else ops.q
+    kspec = ops.k
+    if plan.scores_bf16:  # QKᵀ on the BF16 inputs: no scale, nothing to fold
+        qspec = kspec = _BF16
     return ForwardOps(
         qs=represent(q, qspec, cu),
-        ks=represent(k, ops.k, cu),
+        ks=represent(k, kspec, cu),
         ks_tok=represent(k, _token_spec(ops.k), cu) if plan.per_key_k else None,
         v=represent(v, ops.v, cu),
         v_tok=represent(v, _token_spec(ops.v), cu) if plan.per_key_v else None)
@@ -265,7 +278,7 @@ def prepare_backward(plan: Plan, q, k, v, do, cu) -> BackwardOps:
         fwd=fwd,
         do_rows=represent(do, _token_spec(ops.do), cu) if plan.causal_rows_do else do_dv,
         do_dv=do_dv,
-        kq=fwd.ks if kspec == ops.k else represent(k, kspec, cu),
+        kq=fwd.ks if kspec == ops.k and not plan.scores_bf16 else represent(k, kspec, cu),
         kq_tok=represent(k, _token_spec(kspec), cu) if plan.per_key_k else None,
         qk=represent(q, _product_spec(ops.q), cu))
 
@@ -365,8 +378,9 @@ def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_t
 
 
 def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: int):
-    """The kernel's integer reference per (row, key tile): ceil(max of y over the tiles visited
-    up to and including that tile), -inf before the first visible key (y is -inf there too).
+    """The kernel's reference per (row, key tile): ceil(max of y over the tiles visited up to and
+    including that tile) — the max itself under p_reference exact —, -inf before the first visible
+    key (y is -inf there too).
     Returns (H, M, n_tiles) maxima, (N,) key → tile, (M, n_tiles) visit order (tile ids)."""
     H, M, N = y.shape
     tn = plan.tile_n
@@ -378,7 +392,7 @@ def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: in
     ordh = order[None].expand(H, M, n_tiles)
     run = torch.empty_like(tile_max).scatter_(2, ordh, tile_max.gather(2, ordh).cummax(dim=2).values)
     key_tile = (torch.arange(N, device=y.device) + delta) // tn
-    return torch.ceil(run), key_tile, order
+    return (run if plan.p_exact else torch.ceil(run)), key_tile, order
 
 
 def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_diag=None, diag=None):
@@ -418,14 +432,16 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_
 def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0, length: int = 0, delta: int = 0):
     """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
     V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
-    power of two; the denominator l = Σ exp2(x − max x) is fp32, unquantized. A quantized P̂
+    power of two (p_reference exact: m = max visible x + e_v, the dominant P̂ is exactly 2^static and a
+    rescale is an fp32 multiply); the denominator l = Σ exp2(x − max x) is fp32, unquantized. A quantized P̂
     is rounded under the kernel's running max m_t of the tiles visited so far and carried to
     the final m exactly (× 2^(m_t − m)): the same value unless it is subnormal under m."""
     x = scores_log2(plan, qr, kd, kt, g)
     ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
     y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
     empty = g.empty[None, :]
-    m = torch.where(empty, 0.0, torch.ceil(y.amax(dim=-1)))
+    ymax = y.amax(dim=-1)
+    m = torch.where(empty, 0.0, ymax if plan.p_exact else torch.ceil(ymax))
     mx = torch.where(empty, 0.0, x.amax(dim=-1))
     pq = plan.route.operands.p
     poly = None

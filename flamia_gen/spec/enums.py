@@ -47,6 +47,13 @@ class ExpApprox(str, Enum):
     poly5 = "poly5"
 
 
+class PReference(str, Enum):
+    """The forward's P̂ reference: the running row max m of the logits (V's exponent folded in)."""
+
+    ceil = "ceil"  # m rounded up to an integer: an O rescale is an exact power of two
+    exact = "exact"  # the fp32 running max itself: the dominant P̂ of a row is exactly 2^static (outlier rows)
+
+
 class DqAccumulator(str, Enum):
     fp32_atomic = "fp32_atomic"
     fp32_tma_reduce = "fp32_tma_reduce"

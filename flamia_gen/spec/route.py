@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .enums import DiagonalPolicy, DqAccumulator, ExpApprox, ExponentRule, Format, Granularity, Operand
+from .enums import DiagonalPolicy, DqAccumulator, ExpApprox, ExponentRule, Format, Granularity, Operand, PReference
 
 _IDENT = r"^[a-z][a-z0-9_]{0,47}$"
 
@@ -123,6 +123,10 @@ class Route(BaseModel):
     causal_dq_scale: bool = False
     dq_accumulator: DqAccumulator = DqAccumulator.fp32_atomic
     exp_approx: ExpApprox = ExpApprox.ex2
+    scores_bf16: bool = Field(False, description="QKᵀ (forward and its backward recomputation) on the BF16 inputs; "
+                                                 "q and k's representation serves only dK = dSᵀ·Q and dQ = dS·K")
+    p_reference: PReference = Field(PReference.ceil, description="the forward's P̂ reference: the running row max, "
+                                                                 "rounded up to an integer (ceil) or as is (exact)")
     exact: bool = Field(False, description="claims O_i, dQ_i bitwise independent of later positions")
 
     @field_validator("description")
@@ -140,6 +144,16 @@ class Route(BaseModel):
             raise ValueError("k_fold=true only applies when k.granularity='token_block'")
         if self.causal_dq_scale and not ops.ds.quantized:
             raise ValueError("causal_dq_scale=true needs a quantized ds")
+        if self.scores_bf16:
+            bad = [op for op, oq in (("q", ops.q), ("k", ops.k)) if oq.format not in (Format.e4m3, Format.e5m2)
+                   or oq.granularity not in (Granularity.token, Granularity.token_block) or oq.hadamard]
+            if bad:
+                raise ValueError(f"scores_bf16=true: q and k serve only the dK and dQ products, so they must be "
+                                 f"E4M3/E5M2 per token or token_block without a Hadamard rotation (operands {bad})")
+            if self.k_fold:
+                raise ValueError("scores_bf16=true with k_fold=true: QKᵀ takes no K scale to fold")
+        if self.p_reference is PReference.exact and not ops.p.quantized:
+            raise ValueError("p_reference='exact' only applies to a quantized p (a BF16 P̂ has no rounding reference)")
         if self.exact:
             leaky = [op.value for op, oq in ops.items()
                      if oq.granularity in (Granularity.tensor, Granularity.nvfp4)
@@ -169,12 +183,19 @@ class Route(BaseModel):
         return ForwardSafeguards(
             per_key_k=causal and self.k_fold and ops.k.granularity is tb,
             per_key_v=causal and self.diagonal is DiagonalPolicy.per_key_v and ops.v.granularity is tb,
-            rows_q=self.exact and ops.q.granularity is tb)
+            rows_q=self.exact and ops.q.granularity is tb and not self.scores_bf16)  # BF16 scores: no Q scale in QKᵀ
 
     def spec_hash(self) -> str:
         """Content hash of the parsed route (not the YAML text): comments and key order don't count."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        d = self.model_dump(mode="json")
+        for key, default in _HASH_OMITS_DEFAULT.items():  # fields added later: routes that keep their
+            if d.get(key) == default:                     # defaults keep the hash they had (tables stay valid)
+                d.pop(key)
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_HASH_OMITS_DEFAULT = {"scores_bf16": False, "p_reference": PReference.ceil.value}
 
 
 class ForwardSafeguards(NamedTuple):
