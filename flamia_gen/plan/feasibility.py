@@ -50,8 +50,9 @@ WGMMA_M = 64  # each consumer warpgroup owns 64 query rows (FA3)
 
 def qk_smem_bytes(arch: Arch, params: dict, elem_bytes: int) -> int:
     """Bytes per Q / K element in the forward's shared memory: sm90 has no FP4 MMA, so the
-    NVFP4 Q, K of nvfp4_mixed arrive dequantized to BF16 (2 bytes) while V stays E4M3."""
-    if arch is Arch.sm90 and params.get("q_fmt") == "e2m1":
+    NVFP4 Q, K of nvfp4_mixed arrive dequantized to BF16 (2 bytes) while V stays E4M3; a route with
+    scores_bf16 takes its BF16 q, k themselves (any arch)."""
+    if params.get("scores_bf16") or (arch is Arch.sm90 and params.get("q_fmt") == "e2m1"):
         return 2
     return elem_bytes
 

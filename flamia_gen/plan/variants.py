@@ -114,6 +114,12 @@ def _attn_points(fam: KernelFamily, route: Route):
     base.update(p_static_exponent=ops["p"].static_exponent, diagonal=route.diagonal.value,
                 k_fold=route.k_fold, causal_dq_scale=route.causal_dq_scale, exp_approx=route.exp_approx.value,
                 sm_count=fam.sm_count)
+    # route fields added later: only routes that set them carry the keys (the others' names, params and
+    # renders are unchanged)
+    if route.scores_bf16:
+        base["scores_bf16"] = True
+    if route.p_reference.value != "ceil":
+        base["p_reference"] = route.p_reference.value
     for d, m, n, st, wg, preg, ovl, sch, causal, det in itertools.product(
             fam.head_dims, t.tile_m, t.tile_n, t.stages, t.compute_warpgroups, t.p_in_registers,
             t.intra_wg_overlap, t.scheduler, t.causal, t.deterministic):

@@ -257,11 +257,16 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
     that says which quantizations it reads: Q, K, Vᵀ codes and per-token exponents of the route; Q
     per token where the route keeps O_i causal (`rows_q`); the per-token K / Vᵀ copies its diagonal
     tiles read (`diag_k`, `diag_v`); NVFP4 Q, K (q_fmt e2m1) dequantized to BF16 with their tensor
-    scales as `qk_tensor_scale` (runtime.nvfp4). `quant(x, operand, per_token)` quantizes x with the
+    scales as `qk_tensor_scale` (runtime.nvfp4); the BF16 q, k themselves and a unit `qk_tensor_scale`
+    for a route with `scores_bf16`. `quant(x, operand, per_token)` quantizes x with the
     route's spec of `operand` (or its per-token copy) and returns a mapping with `codes`, `scales`,
     `codes_t`, `tensor_scale`: the bundle's quantizer launches here (`fp8_forward_inputs`), the
     emulator's quantizer in verify (`verify.attn_gpu.kernel_inputs`)."""
-    if params.get("q_fmt") == "e2m1":
+    if params.get("scores_bf16"):
+        # QKᵀ on the BF16 inputs (the route's q, k codes serve only the backward's dK, dQ products)
+        ins = dict(q=q.contiguous(), k=k.contiguous(), qk_tensor_scale=torch.ones(1, dtype=torch.float32,
+                                                                                   device=q.device))
+    elif params.get("q_fmt") == "e2m1":
         ins = mixed_qk_inputs(quant(q, "q", False), quant(k, "k", False))
     else:
         qq, kq = quant(q, "q", bool(params.get("rows_q"))), quant(k, "k", False)
