@@ -103,11 +103,14 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
 
 def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     """Backward (key tile outer): K and V (and, FP8, Kᵀ) once per unit; per stage Q and dO (FP8:
-    also their K-major copies Qᵀ, dOᵀ); dS double-buffered for dQ = dS·K; row factors, amax; the
+    also their K-major copies Qᵀ, dOᵀ; scores_bf16: K and Q in BF16); dS double-buffered for dQ = dS·K; row factors, amax; the
     fp32 dQ staging tile of the bulk reduce-add (rows of D + 8 words; non-deterministic variants)."""
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
     kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
     per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
+    if elem_bytes == 1 and params.get("scores_bf16"):  # K and Q as BF16 tiles for Sᵀ = K·Qᵀ
+        kv += n * d
+        per_stage += m * d
     ds = 2 * m * n * elem_bytes
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
     return kv + st * per_stage + ds + 2 * 4 * m + dq + 1024 + (128 if dq else 0)

@@ -227,8 +227,9 @@ def saves_codes(route: str) -> bool:
     bwd_routes = {x for f in specs.families.values() if f.kind.value == "attn_bwd" and f.arch.value == ARCH
                   for x in f.routes}
     ops = [r.operands.q, r.operands.k, r.operands.v]
-    return route in bwd_routes and all(o.format.value == "e4m3" and o.granularity.value == "token"
-                                       and not o.hadamard for o in ops)
+    # scores_bf16: the forward quantizes only V (QKᵀ takes the BF16 q, k), so there are no Q, K codes to keep
+    return route in bwd_routes and not r.scores_bf16 and all(o.format.value == "e4m3" and o.granularity.value == "token"
+                                                             and not o.hadamard for o in ops)
 
 
 @lru_cache(maxsize=64)

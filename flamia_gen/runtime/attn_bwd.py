@@ -132,20 +132,23 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
 
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
                      q_scale=None, k_scale=None, v_scale=None, do_scale=None, dq_accum=None,
-                     head_dim: int | None = None) -> tuple[int, int, int, int]:
+                     head_dim: int | None = None, scores_bf16: bool = False) -> tuple[int, int, int, int]:
     """Validate the backward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
     argument. fp8: q, k, v, do codes (T, H, D) uint8/float8_e4m3fn, q_t, k_t, do_t codes (H, D, T_PAD),
-    four uint8 scale tensors (T, H); bf16: q, k, v, do BF16 (T, H, D). lse, delta fp32 (HQ, T);
-    dq_accum, when given, fp32 (T, HQ, D). cu_seqlens values are checked only on the CPU."""
+    four uint8 scale tensors (T, H); with `scores_bf16` q and k are the BF16 inputs instead (Sᵀ = K·Qᵀ
+    in BF16; q_t, k_t and the scales still serve dK, dQ); bf16: q, k, v, do BF16 (T, H, D). lse, delta
+    fp32 (HQ, T); dq_accum, when given, fp32 (T, HQ, D). cu_seqlens values are checked only on the CPU."""
     dev = q.device if isinstance(q, torch.Tensor) else None
     code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
-    _check_tensor(q, "q", code, (None, None, None), dev)
+    qk_code = (torch.bfloat16,) if scores_bf16 else code
+    _need(fp8 or not scores_bf16, "q", "scores_bf16 (BF16 q, k with FP8 dP, dV, dK, dQ) needs fp8=True")
+    _check_tensor(q, "q", qk_code, (None, None, None), dev)
     T, HQ, D = q.shape
     _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim for the sm90 backward: D={D} "
           f"(supported: {SUPPORTED_HEAD_DIMS})")
     if head_dim is not None:
         _need(D == head_dim, "q", f"head dim {D} != {head_dim}, the head dim this kernel was compiled for")
-    _check_tensor(k, "k", code, (T, None, D), dev)
+    _check_tensor(k, "k", qk_code, (T, None, D), dev)
     HKV = k.shape[1]
     _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
     _check_tensor(v, "v", code, (T, HKV, D), dev)
@@ -175,6 +178,11 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
 
 def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
     return any(a["name"] == "k_t" for a in args_spec)
+
+
+def is_scores_bf16_spec(args_spec: Sequence[dict]) -> bool:
+    """An FP8 backward whose Sᵀ = K·Qᵀ takes the BF16 q, k (route field scores_bf16)."""
+    return _is_fp8_spec(args_spec) and any(a["name"] == "q" and a["dtype"] == "bfloat16" for a in args_spec)
 
 
 def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: int, cu_seqlens: torch.Tensor,
@@ -226,9 +234,11 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     None → allocated with torch.zeros). Everything stays on the device (no host sync: CUDA-graph
     capturable)."""
     fp8 = _is_fp8_spec(args_spec)
+    sbf16 = is_scores_bf16_spec(args_spec)
     T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                      do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                     do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"))
+                                     do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"),
+                                     scores_bf16=sbf16)
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem)
@@ -273,9 +283,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
     if fp8:
-        by_name.update(q=_as_e4m3(q), q_t=_as_e4m3(q_t), q_scale=q_scale, k=_as_e4m3(k), k_t=_as_e4m3(k_t),
-                       k_scale=k_scale, v=_as_e4m3(v), v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t),
-                       do_scale=do_scale)
+        by_name.update(q=q if sbf16 else _as_e4m3(q), q_t=_as_e4m3(q_t), q_scale=q_scale,
+                       k=k if sbf16 else _as_e4m3(k), k_t=_as_e4m3(k_t), k_scale=k_scale, v=_as_e4m3(v),
+                       v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t), do_scale=do_scale)
     else:
         by_name.update(q=q, k=k, v=v, do=do)
     missing = [a["name"] for a in args_spec if a["name"] not in by_name]
@@ -286,5 +296,5 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-__all__ = ["make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+__all__ = ["is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

@@ -37,7 +37,7 @@ import torch
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
                         saves_codes)
-from .attn_bwd import _is_fp8_spec, run_attn_bwd
+from .attn_bwd import _is_fp8_spec, is_scores_bf16_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
@@ -227,8 +227,11 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
         vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
     dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
+    # scores_bf16: Sᵀ = K·Qᵀ takes the BF16 q, k; their codes_t and scales still serve dK, dQ
+    sbf16 = is_scores_bf16_spec(args)
     return run_attn_bwd(
-        fn, args, qq["codes"], kq["codes"], vq["codes"], dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
+        fn, args, q.contiguous() if sbf16 else qq["codes"], k.contiguous() if sbf16 else kq["codes"], vq["codes"],
+        dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
         params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
         q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),

@@ -1,0 +1,98 @@
+"""fp8_token_bf16qk on the sm90 backward: Sᵀ = K·Qᵀ as a BF16 wgmma on the BF16 q, k (route field
+scores_bf16), every other product FP8 as fp8_token's (Qᵀ, Kᵀ codes and their per-token factors for dK,
+dQ), recomputing the forward's scores exactly (numerics.reference_route).
+
+COMPILED, NOT RUN on a GPU (2026-12-01: no device time), so specs/kernels/attn_bwd_sm90.yaml does not
+list the route yet: the variants come from the family with its routes replaced. CPU only, except the
+`compile` tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
+from flamia_gen.plan.variants import expand_family
+from flamia_gen.render.render import render_variant
+from flamia_gen.runtime.attention import saves_codes
+from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_scores_bf16_spec, run_attn_bwd
+from flamia_gen.spec import Arch, load_specs
+
+from test_attn_bwd_template import _fp8_inputs
+from test_attn_fwd_template import _literals
+
+ROUTE = "fp8_token_bf16qk"
+
+
+def _variants(route):
+    specs = load_specs()
+    fam = specs.families["attn_bwd_sm90"]
+    return expand_family(fam.model_copy(update={"routes": [route]}), specs).variants
+
+
+VARIANTS = _variants(ROUTE)
+TWINS = {v.name: v for v in _variants("fp8_token")}
+
+
+def _sbf16_inputs(T=40, HQ=4, HKV=2, D=128):
+    x = _fp8_inputs(T, HQ, HKV, D)
+    x.update(q=torch.zeros(T, HQ, D, dtype=torch.bfloat16), k=torch.zeros(T, HKV, D, dtype=torch.bfloat16))
+    return x
+
+
+def test_not_shipped_yet_and_fits():
+    assert ROUTE not in load_specs().families["attn_bwd_sm90"].routes  # until verified on a GPU
+    assert not saves_codes(ROUTE)  # the forward quantizes no Q, K: the backward recomputes their codes
+    assert len(VARIANTS) == len(TWINS) == 8  # D = 64, 128 × causal or not × deterministic or not
+    for v in VARIANTS:
+        p = dict(v.params)
+        assert p["scores_bf16"] is True
+        smem = attn_bwd_smem_bytes(p, 1)
+        assert smem == attn_bwd_smem_bytes(dict(p, scores_bf16=False), 1) + 128 * p["head_dim"] + 2 * 64 * p["head_dim"]
+        assert smem <= SMEM_LIMIT[Arch.sm90]
+
+
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.param("head_dim") == 128], ids=lambda v: v.name)
+def test_render_differs_from_fp8_token_only_in_the_scores(v):
+    src = render_variant(v)
+    lit = _literals(src)
+    dt = {a["name"]: a["dtype"] for a in lit["ARGS"]}
+    assert dt["q"] == dt["k"] == "bfloat16" and dt["q_t"] == dt["k_t"] == "float8_e4m3fn"
+    assert is_scores_bf16_spec(lit["ARGS"]) and not is_scores_bf16_spec(_literals(render_variant(
+        TWINS[v.name.replace(ROUTE, "fp8_token")]))["ARGS"])
+    assert "p = ex2(acc_S[i] * qx[cp] - lse2[cp])" in src and "acc_S[i] * kf[rh] * qx[cp]" not in src
+    assert "self.gemm(tiled_mma_s, acc_S, tSrK, tSrQ" in src
+    assert "vals[4 * j + 2] = scale_log2" in src
+    # dQ still folds 2^ek and dK 2^eq: the codes' factors stay
+    assert "acc_dP[i] * kf[rh]" in src and "row_word(tScS[4 * cg][1], 3)" in src
+
+
+def test_runtime_takes_bf16_q_k_and_fp8_rest():
+    v = next(v for v in VARIANTS if v.param("head_dim") == 128 and v.param("causal")
+             and not dict(v.params).get("deterministic"))
+    lit = _literals(render_variant(v))
+    x = _sbf16_inputs()
+    assert check_bwd_inputs(**x, fp8=True, head_dim=128, scores_bf16=True) == (40, 4, 2, 128)
+    with pytest.raises(ValueError, match="q: dtype"):
+        check_bwd_inputs(**_fp8_inputs(), fp8=True, scores_bf16=True)  # codes where BF16 q belongs
+    with pytest.raises(ValueError, match="needs fp8=True"):
+        check_bwd_inputs(**x, fp8=False, scores_bf16=True)
+    seen = []
+    run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"])
+    by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
+    assert by["q"].dtype == by["k"].dtype == torch.bfloat16
+    assert by["q_t"].dtype == by["k_t"].dtype == by["v"].dtype == by["do"].dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="q: dtype"):  # the FP8 route's codes do not fit this variant
+        run_attn_bwd(lambda *a: None, lit["ARGS"], **_fp8_inputs(), params=lit["PARAMS"])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("det", [False, True])
+def test_compile_variant(compile_sm90, det):
+    v = next(v for v in VARIANTS if v.param("head_dim") == 128 and v.param("causal")
+             and bool(dict(v.params).get("deterministic")) == det)
+    ptx = compile_sm90(v)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # Sᵀ = K·Qᵀ on BF16
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # dPᵀ, dQ
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK
