@@ -4,7 +4,8 @@ Build here (CPU, needs the DSL): one bundle with the default backward variants o
 D = 128 (plus the forward and quantizer variants their op path needs) and, per experiment, the
 backward variants rendered with that experiment's template flags (name suffix `_x<tag>`):
 
-    python -m flamia_gen.bench.bwd_experiments build -o .dev/bundle-bexp [--only dqamax0,dqamax4]
+    python -m flamia_gen.bench.bwd_experiments build -o .dev/bundle-bexp [--only trim0,trim4] \
+        [--candidates fp8_token_bf16qk]
 
 On the GPU host (no DSL): per backward variant, verify (Gaussian + tiny documents, emulator and fp32
 bounds, the leakage probe on causal exact routes), compare its dQ, dK, dV **bit for bit** with the
@@ -44,13 +45,28 @@ ROUTES = ("fp8_token", "bf16")
 HEAD_DIM = 128
 
 
-def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM):
+def with_candidates(specs, candidates=()):
+    """`specs` with candidate routes (routes no shipped family lists yet, e.g. one compiled but not yet
+    verified on a GPU) added to every sm90 quantizer and attention family: bundles for a GPU session
+    that verifies them before the families list them (changing a family makes the tuning tables stale)."""
+    from dataclasses import replace as dc_replace
+
+    fams = dict(specs.families)
+    for n, f in fams.items():
+        if f.arch.value == "sm90" and f.kind.value in ("quant", "attn_fwd", "attn_bwd"):
+            fams[n] = f.model_copy(update={"routes": list(f.routes) + [r for r in candidates if r not in f.routes]})
+    return dc_replace(specs, families=fams)
+
+
+def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
     """(backward variants, what their op path needs: forward and quantizer variants) of the routes at
-    `head_dim` — one forward variant per causality is enough (backward_setup takes any)."""
+    `head_dim` — one forward variant per causality is enough (backward_setup takes any). `candidates`:
+    routes the families do not list yet (`with_candidates`), built and tested like the others."""
     from ..plan import make_plan
     from ..spec import KernelKind, load_specs
 
-    plan = make_plan(load_specs(), arch="sm90", routes=list(routes))
+    specs = with_candidates(load_specs(), candidates)
+    plan = make_plan(specs, arch="sm90", routes=list(routes) + [c for c in candidates if c not in routes])
     at_d = [v for v in plan.variants if v.param("head_dim") == head_dim]
     bwd = [v for v in at_d if v.kind == KernelKind.attn_bwd]
     fwd, seen = [], set()
@@ -65,8 +81,8 @@ def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM):
     return bwd, fwd + quant
 
 
-def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2) -> dict:
-    bwd, support = base_variants()
+def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=()) -> dict:
+    bwd, support = base_variants(candidates=candidates)
     tagged = experiment_variants(flags, base_variants=bwd, experiments=EXPERIMENTS)
     return build_variants_bundle(out_dir, [v for _, v in tagged] + support, jobs=jobs)
 
@@ -205,6 +221,8 @@ def main(argv=None) -> int:
     bp.add_argument("-o", "--out", default=".dev/bundle-bexp")
     bp.add_argument("--only", default=",".join(DEFAULT_EXPERIMENTS), help="comma-separated experiment tags")
     bp.add_argument("--jobs", type=int, default=2)
+    bp.add_argument("--candidates", default="", help="comma-separated routes no family lists yet (built and run "
+                    "like the others, e.g. fp8_token_bf16qk)")
     rp = sub.add_parser("run", help="GPU: verify, compare and time every backward variant of the bundle")
     rp.add_argument("bundle")
     rp.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
@@ -219,7 +237,8 @@ def main(argv=None) -> int:
             print(f"{tag:9s} {ex['over']}  {ex['note']}")
         return 0
     if a.cmd == "build":
-        m = build(a.out, [f for f in a.only.split(",") if f], jobs=a.jobs)
+        m = build(a.out, [f for f in a.only.split(",") if f], jobs=a.jobs,
+                  candidates=[c for c in a.candidates.split(",") if c])
         return 0 if m["variants"] else 1
     only = [t if t != "default" else "" for t in a.only.split(",") if t] or None
     rows = run(a.bundle, only=only, verify=not a.no_verify, iters=a.iters, json_out=a.json,

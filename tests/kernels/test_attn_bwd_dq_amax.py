@@ -222,3 +222,23 @@ def test_bwd_experiments_table_reports_ratios_and_bitwise():
     t = bx.table(rows, wl)
     assert "2.700 (0.900×)" in t and "≠/=/=" in t
     assert "bitwise dq/dk/dv ≠/=/=" in bx._fmt_row(rows[1], wl)
+
+
+def test_bwd_experiments_candidate_routes():
+    """A candidate route (no family lists it yet) gets its backward, forward and quantizer variants (the
+    quantizers keyed by representation, so only their `uses` grow); the loaded specs are not changed."""
+    from flamia_gen.bench import bwd_experiments as bx
+
+    specs = load_specs()
+    before = {n: list(f.routes) for n, f in specs.families.items()}
+    cand = bx.with_candidates(specs, ["fp8_token_bf16qk"])
+    assert {n: list(f.routes) for n, f in specs.families.items()} == before
+    assert all("fp8_token_bf16qk" in f.routes for f in cand.families.values()
+               if f.arch.value == "sm90" and f.kind.value in ("quant", "attn_fwd", "attn_bwd"))
+    bwd, support = bx.base_variants(candidates=["fp8_token_bf16qk"])
+    assert len([v for v in bwd if v.route == "fp8_token_bf16qk"]) == 4
+    assert len([v for v in support if v.kind.value == "attn_fwd" and v.route == "fp8_token_bf16qk"]) == 2
+    uses = {u for v in support if v.kind.value == "quant" for u in v.uses}
+    assert {f"fp8_token_bf16qk.{o}" for o in ("q", "k", "v", "do")} <= uses
+    plain_bwd, plain_support = bx.base_variants()
+    assert {v.name for v in plain_bwd} < {v.name for v in bwd}
