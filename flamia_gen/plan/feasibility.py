@@ -108,10 +108,14 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
     kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
     per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
+    ds = 2 * m * n * elem_bytes
     if elem_bytes == 1 and params.get("scores_bf16"):  # K and Q as BF16 tiles for Sᵀ = K·Qᵀ
         kv += n * d
         per_stage += m * d
-    ds = 2 * m * n * elem_bytes
+        if params.get("ds_fmt") == "bf16":  # fp8_pv: no Kᵀ, Qᵀ codes; dS in BF16
+            kv -= n * d
+            per_stage -= m * d
+            ds *= 2
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
     return kv + st * per_stage + ds + 2 * 4 * m + dq + 1024 + (128 if dq else 0)
 

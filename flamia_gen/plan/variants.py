@@ -116,7 +116,8 @@ def _attn_points(fam: KernelFamily, route: Route):
                 sm_count=fam.sm_count)
     # route fields added later: only routes that set them carry the keys (the others' names, params and
     # renders are unchanged)
-    if route.scores_bf16:
+    # BF16 scores: the route says so, or its Q, K are BF16 while its PV side is 8-bit (fp8_pv)
+    if route.scores_bf16 or (not ops["q"].quantized and ops["v"].quantized):
         base["scores_bf16"] = True
     if route.p_reference.value != "ceil":
         base["p_reference"] = route.p_reference.value
@@ -155,7 +156,7 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
             continue
         route = specs.route(rname)
         if fam.kind is not KernelKind.quant:
-            elem_bytes = 2 if route.operands.q.format is Format.bf16 else 1
+            elem_bytes = 2 if route.operands.v.format is Format.bf16 else 1  # V, P (and dO): the 8-bit side
             spec_hash = route.spec_hash()
             for params in _attn_points(fam, route):
                 name = procedural_name(fam.kind, fam.arch, route.name, params)

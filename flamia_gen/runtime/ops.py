@@ -37,7 +37,7 @@ import torch
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
                         saves_codes)
-from .attn_bwd import _is_fp8_spec, is_scores_bf16_spec, run_attn_bwd
+from .attn_bwd import _is_fp8_spec, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
@@ -222,18 +222,20 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         it = iter(codes)
         qq, kq, vq = ({f: next(it) for f in SAVED_FIELDS[op]} for op in SAVED_OPERANDS)
     else:
-        # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
-        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu)
-        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu)
+        # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit);
+        # a ds16 variant (fp8_pv: dK, dQ in BF16) reads no Q, K codes
+        qk = not is_ds16_spec(args)
+        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu) if qk else None
+        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu) if qk else None
         vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
     dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
-    # scores_bf16: Sᵀ = K·Qᵀ takes the BF16 q, k; their codes_t and scales still serve dK, dQ
+    # scores_bf16: Sᵀ = K·Qᵀ takes the BF16 q, k; their codes_t and scales (if any) serve dK, dQ
     sbf16 = is_scores_bf16_spec(args)
+    qkc = {} if qq is None else dict(q_t=qq["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
+                                     k_scale=per_token_scales(kq["scales"], k))
     return run_attn_bwd(
         fn, args, q.contiguous() if sbf16 else qq["codes"], k.contiguous() if sbf16 else kq["codes"], vq["codes"],
-        dq_["codes"], lse, dq_["delta"], cu_seqlens=cu,
-        params=params, q_t=qq["codes_t"], k_t=kq["codes_t"], do_t=dq_["codes_t"],
-        q_scale=per_token_scales(qq["scales"], q), k_scale=per_token_scales(kq["scales"], k),
+        dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dq_["codes_t"], **qkc,
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
         dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
 

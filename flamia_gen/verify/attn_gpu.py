@@ -36,10 +36,11 @@ FP32_COSINE_8BIT = 0.998  # = verify.cpu's default floor; nvfp4_mixed has its ow
 def emulator_options(params: dict) -> dict:
     """The forward kernel's tiling and MMA model, as the emulator takes them: FP8 kernels start
     key tiles at doc_start rounded down to 16 (KEY_ALIGN: Vᵀ TMA alignment) and sum products
-    on FP8 tensor cores. nvfp4_mixed (q_fmt e2m1) has the FP8 PV side (Vᵀ E4M3: KEY_ALIGN 16);
+    on FP8 tensor cores. nvfp4_mixed (q_fmt e2m1) and the BF16-score routes have the FP8 PV side (Vᵀ E4M3: KEY_ALIGN 16);
     its QKᵀ is a BF16 wgmma, which the emulator's model leaves exact (it applies the FP8
     model only to products of FP8 codes: numerics.reference_route.make_plan)."""
-    fp8 = params.get("q_fmt") in ("e4m3", "e5m2", "e2m1")
+    # the PV side decides the key alignment (fp8_pv: BF16 Q, K, E4M3 V); params without v_fmt: by Q
+    fp8 = params.get("v_fmt", params.get("q_fmt")) in ("e4m3", "e5m2", "e2m1")
     return dict(tile_m=params["tile_m"], tile_n=params["tile_n"], key_align=kernel_key_align(fp8),
                 mma="sm90_fp8" if fp8 else "exact")
 
@@ -87,7 +88,7 @@ def kernel_inputs(route, q, k, v, cu, params: dict | None = None):
     (runtime.attention.assemble_forward_inputs), made here by the emulator's quantizer, which the
     quantizer kernels are bitwise equal to."""
     ops = route.operands
-    if not ops.q.quantized:
+    if not ops.v.quantized:  # the bf16 route (fp8_pv has BF16 Q, K but an 8-bit PV side)
         return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous())
 
     def quant(x, op, per_token):

@@ -16,7 +16,7 @@ from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
 from flamia_gen.render.render import render_variant
 from flamia_gen.runtime.attention import saves_codes
-from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_scores_bf16_spec, run_attn_bwd
+from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from flamia_gen.spec import Arch, load_specs
 
 from test_attn_bwd_template import _fp8_inputs
@@ -96,3 +96,72 @@ def test_compile_variant(compile_sm90, det):
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # Sᵀ = K·Qᵀ on BF16
     assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # dPᵀ, dQ
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK
+
+
+# ----------------------------------------------------------------------------- fp8_pv (ds16)
+PV = _variants("fp8_pv")
+
+
+def _pv_inputs(T=40, HQ=4, HKV=2, D=128):
+    x = _sbf16_inputs(T, HQ, HKV, D)
+    for name in ("q_t", "k_t", "q_scale", "k_scale"):
+        del x[name]
+    return x
+
+
+def test_fp8_pv_not_shipped_yet_and_fits():
+    assert "fp8_pv" not in load_specs().families["attn_bwd_sm90"].routes
+    assert not saves_codes("fp8_pv") and len(PV) == 8
+    for v in PV:
+        p = dict(v.params)
+        assert p["scores_bf16"] is True and p["ds_fmt"] == "bf16" and p["q_fmt"] == "bf16" and p["v_fmt"] == "e4m3"
+        d = p["head_dim"]
+        plain = attn_bwd_smem_bytes(dict(p, scores_bf16=False, ds_fmt="e4m3"), 1)
+        # K, Q BF16 instead of K, Kᵀ, Q, Qᵀ codes (same bytes), dS BF16 (twice the bytes)
+        assert attn_bwd_smem_bytes(p, 1) == plain + 2 * 64 * 128
+        assert attn_bwd_smem_bytes(p, 1) <= SMEM_LIMIT[Arch.sm90]
+
+
+@pytest.mark.parametrize("v", [v for v in PV if v.param("head_dim") == 128], ids=lambda v: v.name)
+def test_fp8_pv_render(v):
+    src = render_variant(v)
+    lit = _literals(src)
+    names = [a["name"] for a in lit["ARGS"]]
+    dt = {a["name"]: a["dtype"] for a in lit["ARGS"]}
+    assert names[:7] == ["q", "k", "v", "v_scale", "do", "do_t", "do_scale"]
+    assert dt["q"] == dt["k"] == "bfloat16" and dt["v"] == dt["do"] == dt["do_t"] == "float8_e4m3fn"
+    assert not ({"q_t", "k_t", "q_scale", "k_scale"} & set(names))
+    assert is_ds16_spec(lit["ARGS"]) and is_scores_bf16_spec(lit["ARGS"])
+    # dS: no amax, no scale; dK and dQ BF16 wgmmas; dS stored before the dK wgmma is issued
+    assert "atomic_max" not in src and "ds_exponent(" not in src.split("class AttnBwdSm90")[1]
+    assert "self.gemm(tiled_mma_dk, acc_dK, tdKrdS, tdKrQ" in src and "self.convert_bf16(acc_dP, tdKrdS)" in src
+    body = src[src.index("    def one_tile("):]
+    assert body.index("dst[i] = rdS[i]") < body.index("self.gemm(tiled_mma_dk, ")
+    assert "fk[rh] = softmax_scale  # dK from BF16 dS" in src
+    # the dV side is fp8_token's: P̂ fold, per-key V factor, the dV reference per key row
+    assert "self.dv_scale_rows(acc_S, acc_dV" in src and "self.gemm(tiled_mma_dkv, acc_dV, tdVrP" in src
+
+
+def test_fp8_pv_runtime():
+    v = next(v for v in PV if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+    lit = _literals(render_variant(v))
+    x = _pv_inputs()
+    assert check_bwd_inputs(**x, fp8=True, head_dim=128, scores_bf16=True, ds16=True) == (40, 4, 2, 128)
+    with pytest.raises(ValueError, match="q_t: this variant's dK and dQ are BF16"):
+        check_bwd_inputs(**_sbf16_inputs(), fp8=True, scores_bf16=True, ds16=True)
+    seen = []
+    run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"])
+    by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
+    assert len(seen) == len(lit["ARGS"]) and by["q"].dtype == torch.bfloat16
+    assert by["do_t"].dtype == by["v"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.compile
+def test_compile_fp8_pv_variant(compile_sm90):
+    v = next(v for v in PV if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+    ptx = compile_sm90(v)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # Sᵀ, dQ
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx  # dK (A = dSᵀ from registers)
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # dPᵀ
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV
+    assert "atom.shared.max" not in ptx

@@ -91,3 +91,23 @@ def test_compile_variant(compile_sm90, causal):
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx  # QKᵀ on the BF16 inputs
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # PV, P̂ E4M3 from registers
     assert "cvt.rpi.ftz.f32.f32" not in ptx  # no ceil of the running max
+
+
+def test_fp8_pv_forward_is_the_same_kernel():
+    """fp8_pv (BF16 Q, K; FP8 PV; P̂ exact) takes the same forward as fp8_token_bf16qk: the renders differ
+    in names, route and the q/k fields of PARAMS only (its q, k are never quantized)."""
+    pv = {v.name.replace("fp8_pv", ROUTE): v for v in _family_variants(["fp8_pv"])}
+    assert set(pv) == {v.name for v in VARIANTS}
+    for v in VARIANTS:
+        a, b = render_variant(v).splitlines(), render_variant(pv[v.name]).splitlines()
+        diff = [(x, y) for x, y in zip(a, b) if x != y]
+        assert len(a) == len(b) and diff
+        for x, y in diff:
+            assert x.replace(ROUTE, "fp8_pv") == y or any(t in x for t in ('"q_fmt"', '"q_gran"', '"k_fmt"', '"k_gran"',
+                                                                               '"spec_hash"', "(spec ")), (x, y)
+    p = dict(next(iter(pv.values())).params)
+    ins = assemble_forward_inputs(p, torch.zeros(8, 2, 128, dtype=torch.bfloat16), torch.zeros(8, 1, 128, dtype=torch.bfloat16),
+                                  torch.zeros(8, 1, 128, dtype=torch.bfloat16),
+                                  lambda x, op, t: dict(codes_t=torch.zeros(1, 128, 16, dtype=torch.uint8),
+                                                        scales=torch.zeros(8, 1, dtype=torch.uint8)))
+    assert ins["q"].dtype == torch.bfloat16 and torch.equal(ins["qk_tensor_scale"], torch.ones(1))

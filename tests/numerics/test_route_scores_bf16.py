@@ -135,3 +135,28 @@ def test_leakage_probe_is_exactly_zero():
         cu = torch.tensor([0, 200, T], dtype=torch.int32)
         r = leakage_probe(lambda a, b, c, d: attention(a, b, c, d, causal=True, route=ROUTE), q, k, v, cu, do=do)
         assert r.records and r.exact and r.max_leak == 0.0, r
+
+
+# ----------------------------------------------------------------------------- fp8_pv
+def test_fp8_pv_route_and_accuracy():
+    """fp8_pv: BF16 Q, K and dS (dK, dQ unquantized), E4M3 P̂V, dP, dV. The 8-bit bound holds on outlier
+    tokens, above fp8_token_bf16qk's dQ and dK (no dS rounding), and the probe is exactly 0."""
+    r = get_route("fp8_pv")
+    assert r.exact and not r.scores_bf16 and not r.operands.q.quantized and not r.operands.ds.quantized
+    plan = make_plan(r, True, 64, 128, 0.088, key_align=16, mma="sm90_fp8")
+    assert plan.mma_pv and plan.mma_dp and plan.mma_dv and not (plan.mma_qk or plan.mma_dk or plan.mma_dq)
+    q, k, v, do, cu = _inputs("outlier")
+    o_x, lse_x = attention(q, k, v, cu, causal=True, route=None, return_lse=True)
+    ex = attention_backward(q, k, v, o_x, lse_x, do, cu, True, None)
+    got = {}
+    for rn in ("fp8_pv", ROUTE):
+        o, lse = attention(q, k, v, cu, causal=True, route=rn, return_lse=True, tile_m=128, tile_n=128, key_align=16)
+        g = attention_backward(q, k, v, o, lse, do, cu, True, get_route(rn), tile_m=64, tile_n=128, key_align=16)
+        got[rn] = [float(cosine(a, b)) for a, b in zip((o, *g), (o_x, *ex))]
+    assert min(got["fp8_pv"]) >= 0.998, got
+    assert got["fp8_pv"][1] > got[ROUTE][1] and got["fp8_pv"][2] >= got[ROUTE][2], got
+    gen = torch.Generator().manual_seed(5)
+    qq, kk, vv, dd = (torch.randn(300, 2, 128, generator=gen).to(torch.bfloat16).float() for _ in range(4))
+    res = leakage_probe(lambda a, b, c, d: attention(a, b, c, d, causal=True, route="fp8_pv"), qq, kk, vv,
+                        torch.tensor([0, 190, 300], dtype=torch.int32), do=dd)
+    assert res.records and res.exact

@@ -10,6 +10,10 @@ def test_emulator_options_follow_the_kernel():
     assert fp8 == dict(tile_m=128, tile_n=192, key_align=16, mma="sm90_fp8")
     bf16 = emulator_options({"q_fmt": "bf16", "tile_m": 128, "tile_n": 128})
     assert bf16 == dict(tile_m=128, tile_n=128, key_align=1, mma="exact")
+    # fp8_pv: BF16 Q, K but an E4M3 PV side (Vᵀ TMA alignment, FP8 products under the model)
+    pv = emulator_options({"q_fmt": "bf16", "v_fmt": "e4m3", "tile_m": 128, "tile_n": 128})
+    assert pv == dict(tile_m=128, tile_n=128, key_align=16, mma="sm90_fp8")
+    assert emulator_options({"q_fmt": "bf16", "v_fmt": "bf16", "tile_m": 64, "tile_n": 128})["key_align"] == 1
 
 
 def test_dump_case_saves_a_loadable_case(tmp_path):
