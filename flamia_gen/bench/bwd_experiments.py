@@ -23,12 +23,11 @@ torch until `run`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-from .fwd_experiments import build_variants_bundle, experiment_variants, split_name
+from .fwd_experiments import (_wl_keys, build_variants_bundle, cuda_context_lost, experiment_table,
+                              experiment_variants, finish, split_name)
 
 _fp8 = lambda p: p.get("q_fmt") == "e4m3"  # noqa: E731
 
@@ -167,15 +166,9 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
             row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
         rows.append(row)
         print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
-    print()
-    print(table(rows, workloads))
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
-    return rows
-
-
-def _keys(workloads):
-    return [f"{len(d)}x{d[0]}" for d in workloads]
+        if "error" in row and cuda_context_lost(e, tag):
+            break
+    return finish(rows, table(rows, workloads), json_out)
 
 
 def _fmt_row(row, workloads) -> str:
@@ -186,7 +179,7 @@ def _fmt_row(row, workloads) -> str:
     if "dk_bitwise" in row:
         cells.append("bitwise dq/dk/dv " + "/".join("=" if row[f"{n}_bitwise"] else "≠" for n in ("dq", "dk", "dv"))
                      + f" (dq max {row['dq_max_abs_diff']:.1e})")
-    for k in _keys(workloads):
+    for k in _wl_keys(workloads):
         cells.append(f"{k} {row[k]:7.3f} ms" if k in row else f"{k}       -")
     if "error" in row:
         cells.append("ERROR " + row["error"])
@@ -195,22 +188,13 @@ def _fmt_row(row, workloads) -> str:
 
 def table(rows, workloads) -> str:
     """One line per variant × experiment: verify, bitwise equality with the default, ms (× default)."""
-    base = {r["variant"]: r for r in rows if r["tag"] == "default"}
-    lines = ["variant | experiment | verify | cos_emu | bitwise dq/dk/dv vs default | " + " | ".join(
-        f"{k} ms (×default)" for k in _keys(workloads)), "---|---|---|---|---|" + "---|" * len(workloads)]
-    for r in sorted(rows, key=lambda r: (r["variant"], r["tag"] != "default", r["tag"])):
-        cells = [r["variant"].replace("attn_bwd_sm90_", ""), r["tag"],
-                 ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
-                 f"{r['cos_emu']:.7f}" if "cos_emu" in r else "-",
-                 "/".join("=" if r[f"{n}_bitwise"] else "≠" for n in ("dq", "dk", "dv")) if "dk_bitwise" in r else "-"]
-        for k in _keys(workloads):
-            if k not in r:
-                cells.append("ERROR" if "error" in r else "-")
-                continue
-            d = base.get(r["variant"], {}).get(k)
-            cells.append(f"{r[k]:.3f}" + (f" ({r[k] / d:.3f}×)" if d and r["tag"] != "default" else ""))
-        lines.append(" | ".join(cells))
-    return "\n".join(lines)
+    return experiment_table(
+        rows, _wl_keys(workloads), ["variant", "experiment", "verify", "cos_emu", "bitwise dq/dk/dv vs default"],
+        lambda r: [r["variant"].replace("attn_bwd_sm90_", ""), r["tag"],
+                   ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
+                   f"{r['cos_emu']:.7f}" if "cos_emu" in r else "-",
+                   "/".join("=" if r[f"{n}_bitwise"] else "≠" for n in ("dq", "dk", "dv")) if "dk_bitwise" in r else "-"],
+        "ms", ".3f", ".3f")
 
 
 def main(argv=None) -> int:

@@ -105,8 +105,6 @@ def split_name(name: str, experiments=None) -> tuple[str, str]:
 def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True, probe=True, iters=20,
         json_out=None, causal_only=False) -> list[dict]:
     """GPU host: verify and time every attn_fwd variant of the bundle; print one table."""
-    import torch
-
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import time_attn_entry, verify_attn_entry
 
@@ -137,15 +135,29 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
         rows.append(row)
         print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
-        if "error" in row:
-            try:  # a sticky CUDA error (illegal instruction, ...) poisons every later launch
-                torch.cuda.synchronize()
-            except Exception as ex:  # noqa: BLE001
-                print(f"CUDA context lost after {e['name']} ({type(ex).__name__}); rerun with --only "
-                      f"without tag {tag or 'default'!r}", flush=True)
-                break
+        if "error" in row and cuda_context_lost(e, tag):
+            break
+    return finish(rows, table(rows, workloads), json_out)
+
+
+def cuda_context_lost(entry: dict, tag: str) -> bool:
+    """After a failed variant: whether the CUDA context is gone (a sticky error such as an illegal
+    instruction poisons every later launch), said in one line; the caller then stops."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception as ex:  # noqa: BLE001
+        print(f"CUDA context lost after {entry['name']} ({type(ex).__name__}); rerun with --only "
+              f"without tag {tag or 'default'!r}", flush=True)
+        return True
+
+
+def finish(rows: list[dict], table_text: str, json_out) -> list[dict]:
+    """Print the table and write the rows as JSON (when asked): the end of every experiment run."""
     print()
-    print(table(rows, workloads))
+    print(table_text)
     if json_out:
         Path(json_out).write_text(json.dumps(rows, indent=1))
     return rows
@@ -168,23 +180,31 @@ def _fmt_row(row, workloads) -> str:
     return "  ".join(cells)
 
 
-def table(rows, workloads) -> str:
-    """One line per variant × experiment, plus the speed-up over the default per workload."""
-    base = {(r["variant"]): r for r in rows if r["tag"] == "default"}
-    lines = ["variant | experiment | verify | cos_emu | " + " | ".join(
-        f"{k} TFLOP/s (×default)" for k in _wl_keys(workloads)), "---|---|---|---|" + "---|" * len(workloads)]
+def experiment_table(rows, keys, head: list[str], first_cells, unit: str, fmt: str, ratio_fmt: str) -> str:
+    """Markdown table, one line per variant × experiment (defaults first): `first_cells(row)` gives the
+    leading cells under `head`, then one cell per workload key: the value (`fmt`) and, for an experiment,
+    its ratio to the default variant's (`ratio_fmt`). Shared by the forward and backward experiments."""
+    base = {r["variant"]: r for r in rows if r["tag"] == "default"}
+    lines = [" | ".join(head + [f"{k} {unit} (×default)" for k in keys]), "---|" * (len(head) + len(keys))]
     for r in sorted(rows, key=lambda r: (r["variant"], r["tag"] != "default", r["tag"])):
-        short = r["variant"].replace("attn_fwd_sm90_", "")
-        cells = [short, r["tag"], ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
-                 f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-"]
-        for k in _wl_keys(workloads):
+        cells = list(first_cells(r))
+        for k in keys:
             if k not in r:
                 cells.append("ERROR" if "error" in r else "-")
                 continue
             d = base.get(r["variant"], {}).get(k)
-            cells.append(f"{r[k]:.0f}" + (f" ({r[k] / d:.2f}×)" if d and r["tag"] != "default" else ""))
+            cells.append(format(r[k], fmt) + (f" ({format(r[k] / d, ratio_fmt)}×)" if d and r["tag"] != "default" else ""))
         lines.append(" | ".join(cells))
     return "\n".join(lines)
+
+
+def table(rows, workloads) -> str:
+    """One line per variant × experiment, plus the speed-up over the default per workload."""
+    return experiment_table(
+        rows, _wl_keys(workloads), ["variant", "experiment", "verify", "cos_emu"],
+        lambda r: [r["variant"].replace("attn_fwd_sm90_", ""), r["tag"],
+                   ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
+                   f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-"], "TFLOP/s", ".0f", ".2f")
 
 
 def main(argv=None) -> int:

@@ -115,7 +115,6 @@ def test_fp8_pv_not_shipped_yet_and_fits():
     for v in PV:
         p = dict(v.params)
         assert p["scores_bf16"] is True and p["ds_fmt"] == "bf16" and p["q_fmt"] == "bf16" and p["v_fmt"] == "e4m3"
-        d = p["head_dim"]
         plain = attn_bwd_smem_bytes(dict(p, scores_bf16=False, ds_fmt="e4m3"), 1)
         # K, Q BF16 instead of K, Kᵀ, Q, Qᵀ codes (same bytes), dS BF16 (twice the bytes)
         assert attn_bwd_smem_bytes(p, 1) == plain + 2 * 64 * 128
