@@ -649,3 +649,50 @@ def test_gpu_head_dim_64_op_forward_and_backward(route):
     for got, want in ((dq, rq), (dk, rk), (dv, rv)):
         assert got.shape == want.shape and not torch.isnan(got).any()
         assert cosine(got.float(), want.float()) >= need_g
+
+
+@pytest.mark.parametrize("route", ["fp8_token", "fp8_token_bf16qk", "fp8_pv"])
+def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
+    """backward_with on the rendered ARGS of each 8-bit backward mode (CPU: quantizer launches and the
+    kernel call are recorded, not run): fp8_token quantizes Q, K, V and passes codes; fp8_token_bf16qk
+    passes the BF16 q, k with Q/K codes_t and scales (for dK, dQ); fp8_pv passes BF16 q, k and quantizes
+    neither (dK, dQ in BF16). The dO launch runs for all three."""
+    from types import SimpleNamespace
+
+    from flamia_gen.build.bundle import _module_literal
+    from flamia_gen.plan.variants import expand_family
+    from flamia_gen.render import render_variant
+    from flamia_gen.spec import load_specs
+
+    specs = load_specs()
+    fam = specs.families["attn_bwd_sm90"]
+    v = next(x for x in expand_family(fam.model_copy(update={"routes": [route]}), specs).variants
+             if x.param("head_dim") == D and x.param("causal") and not dict(x.params).get("deterministic"))
+    entry = _entry(v.name, "attn_bwd", v.uses, dict(v.params), _module_literal(render_variant(v), "ARGS"))
+    q, k, v_, cu = _qkv()
+    do = torch.randn_like(q)
+    launched, called = [], {}
+
+    def fake_quantize(b, e, x, cu_, o=None):
+        launched.append(e["op"])
+        t, h, d = x.shape
+        return dict(codes=torch.zeros(t, h, d, dtype=torch.uint8), codes_t=torch.zeros(h, d, 48, dtype=torch.uint8),
+                    scales=torch.zeros(t, h, dtype=torch.uint8), delta=torch.zeros(h, t), dq_accum=torch.zeros(t, h, d))
+
+    monkeypatch.setattr(ops_mod, "_quantize", fake_quantize)
+    monkeypatch.setattr(ops_mod, "_pick_cached", lambda root, kind, r, d, c, prof, op: {"op": op})
+    monkeypatch.setattr(ops_mod, "pick_do_delta", lambda root, r, d, prof: {"op": "do"})
+    monkeypatch.setattr(ops_mod, "run_attn_bwd", lambda fn, args, *a, **kw: called.update(a=a, kw=kw) or (None,) * 4)
+    b = SimpleNamespace(root="fake", get=lambda name: (lambda *a: None))
+    ops_mod.backward_with(b, entry, do, q, k, v_, q, torch.zeros(HQ, T), cu, None)
+    pos, kw = called["a"], called["kw"]
+    if route == "fp8_token":
+        assert launched == ["q", "k", "v", "do"] and pos[0].dtype == torch.uint8
+        assert {"q_t", "k_t", "q_scale", "k_scale"} <= set(kw)
+    elif route == "fp8_token_bf16qk":
+        assert launched == ["q", "k", "v", "do"] and pos[0] is not None and pos[0].dtype == q.dtype
+        assert torch.equal(pos[0], q) and torch.equal(pos[1], k) and {"q_t", "k_t"} <= set(kw)
+    else:
+        assert launched == ["v", "do"] and torch.equal(pos[0], q) and torch.equal(pos[1], k)
+        assert not ({"q_t", "k_t", "q_scale", "k_scale"} & set(kw))
+    assert pos[2].dtype == torch.uint8 and kw["do_t"].dtype == torch.uint8  # V codes, dOᵀ codes
