@@ -29,7 +29,8 @@ import time
 from .fwd_experiments import (_wl_keys, build_variants_bundle, cuda_context_lost, experiment_table,
                               experiment_variants, finish, split_name)
 
-_fp8 = lambda p: p.get("q_fmt") == "e4m3"  # noqa: E731
+# the FP8 tile with Q/K codes (fp8_token); the BF16-score candidates' own A/B waits until they are verified
+_fp8 = lambda p: p.get("q_fmt") == "e4m3" and not p.get("scores_bf16")  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {

@@ -242,3 +242,13 @@ def test_bwd_experiments_candidate_routes():
     assert {f"fp8_token_bf16qk.{o}" for o in ("q", "k", "v", "do")} <= uses
     plain_bwd, plain_support = bx.base_variants()
     assert {v.name for v in plain_bwd} < {v.name for v in bwd}
+
+
+def test_bwd_experiments_trims_only_fp8_token():
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    bwd, _ = bx.base_variants(candidates=["fp8_token_bf16qk", "fp8_pv"])
+    tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
+    assert {v.route for t, v in tagged if t} == {"fp8_token"}
+    assert len([v for t, v in tagged if not t]) == 8 + 4 + 4
