@@ -22,12 +22,11 @@ torch until `run`).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
-from .fwd_experiments import (_wl_keys, build_variants_bundle, cuda_context_lost, experiment_table,
-                              experiment_variants, finish, split_name)
+from .fwd_experiments import (_wl_keys, build_variants_bundle, experiment_cli, experiment_table, experiment_variants,
+                              print_experiments, run_entries, run_exit_code, select_entries, split_name,  # noqa: F401
+                              split_tags)
 
 # the FP8 tile with Q/K codes (fp8_token); the BF16-score candidates' own A/B waits until they are verified
 _fp8 = lambda p: p.get("q_fmt") == "e4m3" and not p.get("scores_bf16")  # noqa: E731
@@ -140,36 +139,23 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
     from ..verify.attn_gpu import verify_bwd_entry
 
     b = load_bundle(bundle_dir)
-    entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == "attn_bwd"]
-    if only:
-        keep = set(only)
-        entries = [e for e in entries if split_name(e["name"], EXPERIMENTS)[1] in keep]
-    if causal_only:
-        entries = [e for e in entries if e["params"]["causal"]]
-    rows, t_start = [], time.perf_counter()
-    for e in entries:
-        base, tag = split_name(e["name"], EXPERIMENTS)
-        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
-        try:
-            if verify:
-                vr = verify_bwd_entry(b, e, kinds=("gauss", "tiny_docs"))
-                row["ok"] = all(r["ok"] for r in vr)
-                row["cos_emu"] = min(r["cos_emulator"] for r in vr)
-                row["cos_fp32"] = min(r["cos_fp32"] for r in vr)
-            if tag:
-                row.update(compare_bitwise(b, e, b.variants[base]))
-            for docs in workloads:
-                ms = time_entry(b, e, docs, iters=iters)
-                fl = attention_flops(list(docs), 16, e["params"]["head_dim"], causal=e["params"]["causal"], mode="bwd")
-                row[f"{len(docs)}x{docs[0]}"] = ms
-                row[f"{len(docs)}x{docs[0]}_tflops"] = fl / (ms * 1e-3) / 1e12
-        except Exception as ex:  # noqa: BLE001 - one broken experiment must not stop the table
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-        rows.append(row)
-        print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
-        if "error" in row and cuda_context_lost(e, tag):
-            break
-    return finish(rows, table(rows, workloads), json_out)
+
+    def measure(e, base, tag, row):
+        if verify:
+            vr = verify_bwd_entry(b, e, kinds=("gauss", "tiny_docs"))
+            row["ok"] = all(r["ok"] for r in vr)
+            row["cos_emu"] = min(r["cos_emulator"] for r in vr)
+            row["cos_fp32"] = min(r["cos_fp32"] for r in vr)
+        if tag:
+            row.update(compare_bitwise(b, e, b.variants[base]))
+        for docs in workloads:
+            ms = time_entry(b, e, docs, iters=iters)
+            fl = attention_flops(list(docs), 16, e["params"]["head_dim"], causal=e["params"]["causal"], mode="bwd")
+            row[f"{len(docs)}x{docs[0]}"] = ms
+            row[f"{len(docs)}x{docs[0]}_tflops"] = fl / (ms * 1e-3) / 1e12
+
+    return run_entries(select_entries(b, "attn_bwd", only, causal_only, EXPERIMENTS), measure, _fmt_row, table,
+                       workloads, json_out, EXPERIMENTS)
 
 
 def _fmt_row(row, workloads) -> str:
@@ -199,36 +185,19 @@ def table(rows, workloads) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flamia_gen.bench.bwd_experiments", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    bp = sub.add_parser("build", help="CPU: build the experiment bundle (needs the DSL)")
-    bp.add_argument("-o", "--out", default=".dev/bundle-bexp")
-    bp.add_argument("--only", default=",".join(DEFAULT_EXPERIMENTS), help="comma-separated experiment tags")
-    bp.add_argument("--jobs", type=int, default=2)
+    ap, bp, _ = experiment_cli("python -m flamia_gen.bench.bwd_experiments", __doc__, ".dev/bundle-bexp",
+                               DEFAULT_EXPERIMENTS, "GPU: verify, compare and time every backward variant of the bundle")
     bp.add_argument("--candidates", default="", help="comma-separated routes no family lists yet (built and run "
                     "like the others, e.g. fp8_token_bf16qk)")
-    rp = sub.add_parser("run", help="GPU: verify, compare and time every backward variant of the bundle")
-    rp.add_argument("bundle")
-    rp.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
-    rp.add_argument("--no-verify", action="store_true")
-    rp.add_argument("--causal-only", action="store_true")
-    rp.add_argument("--iters", type=int, default=20)
-    rp.add_argument("--json", default=None)
-    sub.add_parser("list", help="print the experiments")
     a = ap.parse_args(argv)
     if a.cmd == "list":
-        for tag, ex in EXPERIMENTS.items():
-            print(f"{tag:9s} {ex['over']}  {ex['note']}")
-        return 0
+        return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
-        m = build(a.out, [f for f in a.only.split(",") if f], jobs=a.jobs,
-                  candidates=[c for c in a.candidates.split(",") if c])
+        m = build(a.out, split_tags(a.only), jobs=a.jobs, candidates=split_tags(a.candidates))
         return 0 if m["variants"] else 1
-    only = [t if t != "default" else "" for t in a.only.split(",") if t] or None
-    rows = run(a.bundle, only=only, verify=not a.no_verify, iters=a.iters, json_out=a.json,
+    rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only)
-    return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
+    return run_exit_code(rows)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,35 @@ def split_name(name: str, experiments=None) -> tuple[str, str]:
     return name, ""
 
 
+def select_entries(b, kind: str, only, causal_only: bool, experiments=None) -> list[dict]:
+    """The bundle's `kind` variants, narrowed to the experiment tags in `only` ("" = defaults) and, with
+    `causal_only`, to causal ones."""
+    entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == kind]
+    if only:
+        keep = set(only)
+        entries = [e for e in entries if split_name(e["name"], experiments)[1] in keep]
+    return [e for e in entries if e["params"]["causal"]] if causal_only else entries
+
+
+def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experiments=None) -> list[dict]:
+    """One row per entry: `measure(entry, base_name, tag, row)` fills it; an exception becomes the row's
+    `error` (one broken experiment must not stop the table) and a lost CUDA context stops the run; each
+    row is printed as it comes, then the table (and the JSON)."""
+    rows, t_start = [], time.perf_counter()
+    for e in entries:
+        base, tag = split_name(e["name"], experiments)
+        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
+        try:
+            measure(e, base, tag, row)
+        except Exception as ex:  # noqa: BLE001
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        rows.append(row)
+        print(fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+        if "error" in row and cuda_context_lost(e, tag):
+            break
+    return finish(rows, table_fn(rows, workloads), json_out)
+
+
 def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True, probe=True, iters=20,
         json_out=None, causal_only=False) -> list[dict]:
     """GPU host: verify and time every attn_fwd variant of the bundle; print one table."""
@@ -109,35 +138,21 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
     from ..verify.attn_gpu import time_attn_entry, verify_attn_entry
 
     b = load_bundle(bundle_dir)
-    entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == "attn_fwd"]
-    if only:
-        keep = set(only)
-        entries = [e for e in entries if split_name(e["name"])[1] in keep]
-    if causal_only:
-        entries = [e for e in entries if e["params"]["causal"]]
     inputs_cache: dict = {}
-    rows = []
-    t_start = time.perf_counter()
-    for e in entries:
-        base, tag = split_name(e["name"])
-        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
-        try:
-            if verify:
-                vr = verify_attn_entry(b, e, kinds=("gauss", "tiny_docs"), probe=probe)
-                row["ok"] = all(r["ok"] for r in vr)
-                row["cos_emu"] = min(r["cos_emulator"] for r in vr)
-                pr = [r.get("probe_max_rel_change") for r in vr if "probe_max_rel_change" in r]
-                row["probe"] = max(pr) if pr else None
-            for docs in workloads:
-                t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
-                row[f"{len(docs)}x{docs[0]}"] = t["tflops"]
-        except Exception as ex:  # noqa: BLE001 - one broken experiment must not stop the table
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-        rows.append(row)
-        print(_fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
-        if "error" in row and cuda_context_lost(e, tag):
-            break
-    return finish(rows, table(rows, workloads), json_out)
+
+    def measure(e, base, tag, row):
+        if verify:
+            vr = verify_attn_entry(b, e, kinds=("gauss", "tiny_docs"), probe=probe)
+            row["ok"] = all(r["ok"] for r in vr)
+            row["cos_emu"] = min(r["cos_emulator"] for r in vr)
+            pr = [r.get("probe_max_rel_change") for r in vr if "probe_max_rel_change" in r]
+            row["probe"] = max(pr) if pr else None
+        for docs in workloads:
+            t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
+            row[f"{len(docs)}x{docs[0]}"] = t["tflops"]
+
+    return run_entries(select_entries(b, "attn_fwd", only, causal_only), measure, _fmt_row, table, workloads,
+                       json_out)
 
 
 def cuda_context_lost(entry: dict, tag: str) -> bool:
@@ -207,36 +222,56 @@ def table(rows, workloads) -> str:
                    f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-"], "TFLOP/s", ".0f", ".2f")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flamia_gen.bench.fwd_experiments", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def experiment_cli(prog: str, doc: str, default_out: str, default_flags, run_help: str):
+    """(parser, build subparser, run subparser) with the arguments every experiment module shares
+    (`build`: -o, --only, --jobs; `run`: bundle, --only, --no-verify, --causal-only, --iters, --json;
+    `list`); the caller adds its own."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="CPU: build the experiment bundle (needs the DSL)")
-    b.add_argument("-o", "--out", default=".dev/bundle-exp")
-    b.add_argument("--only", default=",".join(DEFAULT_EXPERIMENTS), help="comma-separated experiment tags")
-    b.add_argument("--jobs", type=int, default=2)
-    r = sub.add_parser("run", help="GPU: verify and time every variant of the bundle")
-    r.add_argument("bundle")
-    r.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
-    r.add_argument("--no-verify", action="store_true")
-    r.add_argument("--no-probe", action="store_true")
-    r.add_argument("--causal-only", action="store_true")
-    r.add_argument("--iters", type=int, default=20)
-    r.add_argument("--json", default=None)
+    bp = sub.add_parser("build", help="CPU: build the experiment bundle (needs the DSL)")
+    bp.add_argument("-o", "--out", default=default_out)
+    bp.add_argument("--only", default=",".join(default_flags), help="comma-separated experiment tags")
+    bp.add_argument("--jobs", type=int, default=2)
+    rp = sub.add_parser("run", help=run_help)
+    rp.add_argument("bundle")
+    rp.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
+    rp.add_argument("--no-verify", action="store_true")
+    rp.add_argument("--causal-only", action="store_true")
+    rp.add_argument("--iters", type=int, default=20)
+    rp.add_argument("--json", default=None)
     sub.add_parser("list", help="print the experiments")
+    return ap, bp, rp
+
+
+def print_experiments(experiments) -> int:
+    for tag, ex in experiments.items():
+        print(f"{tag:9s} {ex['over']}  {ex['note']}")
+    return 0
+
+
+def split_tags(text: str, run: bool = False):
+    """Comma-separated tags; for `run`, 'default' names the unflagged variants ("") and none means all."""
+    tags = [t for t in text.split(",") if t]
+    return ([t if t != "default" else "" for t in tags] or None) if run else tags
+
+
+def run_exit_code(rows) -> int:
+    return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    ap, _, rp = experiment_cli("python -m flamia_gen.bench.fwd_experiments", __doc__, ".dev/bundle-exp",
+                               DEFAULT_EXPERIMENTS, "GPU: verify and time every variant of the bundle")
+    rp.add_argument("--no-probe", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "list":
-        for tag, ex in EXPERIMENTS.items():
-            print(f"{tag:9s} {ex['over']}  {ex['note']}")
-        return 0
+        return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
-        flags = [f for f in a.only.split(",") if f]
-        m = build_experiment_bundles(a.out, flags, jobs=a.jobs)
+        m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs)
         return 0 if m["variants"] else 1
-    only = [t if t != "default" else "" for t in a.only.split(",") if t] or None
-    rows = run(a.bundle, only=only, verify=not a.no_verify, probe=not a.no_probe, iters=a.iters,
-               json_out=a.json, causal_only=a.causal_only)
-    return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
+    rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
+               iters=a.iters, json_out=a.json, causal_only=a.causal_only)
+    return run_exit_code(rows)
 
 
 if __name__ == "__main__":

@@ -116,8 +116,7 @@ def _attn_points(fam: KernelFamily, route: Route):
                 sm_count=fam.sm_count)
     # route fields added later: only routes that set them carry the keys (the others' names, params and
     # renders are unchanged)
-    # BF16 scores: the route says so, or its Q, K are BF16 while its PV side is 8-bit (fp8_pv)
-    if route.scores_bf16 or (not ops["q"].quantized and ops["v"].quantized):
+    if route.bf16_scores:
         base["scores_bf16"] = True
     if route.p_reference.value != "ceil":
         base["p_reference"] = route.p_reference.value

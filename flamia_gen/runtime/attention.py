@@ -228,7 +228,7 @@ def saves_codes(route: str) -> bool:
                   for x in f.routes}
     ops = [r.operands.q, r.operands.k, r.operands.v]
     # scores_bf16: the forward quantizes only V (QKᵀ takes the BF16 q, k), so there are no Q, K codes to keep
-    return route in bwd_routes and not r.scores_bf16 and all(o.format.value == "e4m3" and o.granularity.value == "token"
+    return route in bwd_routes and not r.bf16_scores and all(o.format.value == "e4m3" and o.granularity.value == "token"
                                                              and not o.hadamard for o in ops)
 
 

@@ -171,6 +171,13 @@ class Route(BaseModel):
         return self
 
     @property
+    def bf16_scores(self) -> bool:
+        """QKᵀ runs on the BF16 inputs: the route says so (scores_bf16), or its q, k are BF16 while its
+        PV side is 8-bit (fp8_pv). The one rule the planner's `scores_bf16` variant key follows."""
+        ops = self.operands
+        return self.scores_bf16 or (not ops.q.quantized and ops.v.quantized)
+
+    @property
     def quantized(self) -> bool:
         return any(oq.quantized for _, oq in self.operands.items())
 

@@ -252,3 +252,28 @@ def test_bwd_experiments_trims_only_fp8_token():
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     assert {v.route for t, v in tagged if t} == {"fp8_token"}
     assert len([v for t, v in tagged if not t]) == 8 + 4 + 4
+
+
+def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
+    """run_entries (both experiment modules): a failing entry becomes an `error` row and the run goes on
+    while the CUDA context lives; a lost context stops it; the JSON holds every row."""
+    import json
+
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench import fwd_experiments as fx
+
+    lost = {"attn_bwd_sm90_c": True}
+    monkeypatch.setattr(fx, "cuda_context_lost", lambda e, tag: lost.get(e["name"], False))
+    entries = [{"name": n, "params": {"causal": True}} for n in
+               ("attn_bwd_sm90_a", "attn_bwd_sm90_a_xtrim2", "attn_bwd_sm90_b", "attn_bwd_sm90_c", "attn_bwd_sm90_d")]
+
+    def measure(e, base, tag, row):
+        if e["name"].endswith(("_b", "_c")):
+            raise RuntimeError("boom")
+        row.update(ok=True, cos_emu=1.0, cos_fp32=1.0, **{"4x4096": 2.0 if tag else 4.0})
+
+    rows = fx.run_entries(entries, measure, bx._fmt_row, bx.table, ((4096,) * 4,), tmp_path / "r.json", bx.EXPERIMENTS)
+    assert [r["variant"] for r in rows] == ["attn_bwd_sm90_a", "attn_bwd_sm90_a", "attn_bwd_sm90_b", "attn_bwd_sm90_c"]
+    assert rows[1]["tag"] == "trim2" and "error" in rows[2] and "error" in rows[3]  # d never ran
+    assert json.loads((tmp_path / "r.json").read_text()) == rows
+    assert "2.000 (0.500×)" in capsys.readouterr().out
