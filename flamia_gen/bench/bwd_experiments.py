@@ -4,8 +4,8 @@ Build here (CPU, needs the DSL): one bundle with the default backward variants o
 D = 128 (plus the forward and quantizer variants their op path needs) and, per experiment, the
 backward variants rendered with that experiment's template flags (name suffix `_x<tag>`):
 
-    python -m flamia_gen.bench.bwd_experiments build -o .dev/bundle-bexp [--only trim0,trim4] \
-        [--candidates fp8_token_bf16qk]
+    python -m flamia_gen.bench.bwd_experiments build -o .dev/bundle-bexp [--only notrim,trim4] \
+        [--candidates NEW_ROUTE]
 
 On the GPU host (no DSL): per backward variant, verify (Gaussian + tiny documents, emulator and fp32
 bounds, the leakage probe on causal exact routes), compare its dQ, dK, dV **bit for bit** with the
@@ -28,16 +28,17 @@ from .fwd_experiments import (_wl_keys, build_variants_bundle, experiment_cli, e
                               print_experiments, run_entries, run_exit_code, select_entries, split_name,  # noqa: F401
                               split_tags)
 
-# the FP8 tile with Q/K codes (fp8_token); the BF16-score candidates' own A/B waits until they are verified
-_fp8 = lambda p: p.get("q_fmt") == "e4m3" and not p.get("scores_bf16")  # noqa: E731
+# the FP8 tile with a dS amax (fp8_token, fp8_token_bf16qk: the template's qk8), where bwd_alu_trim applies
+_qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
-    # bwd_alu_trim (templates/sm90/attn_bwd.py.j2): the same values from fewer instructions; the dQ-scale
-    # amax by per-column butterflies (trim0) or by a reduce-scatter in batches of 1, 2, 4 column groups
-    **{f"trim{cg}": dict(over={"bwd_alu_trim": True, "bwd_dq_amax_cg": cg}, when=_fp8,
+    # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
+    # the other batchings of the dQ-scale amax (per-column butterflies, or a reduce-scatter of 1 or 4 groups)
+    "notrim": dict(over={"bwd_alu_trim": False}, when=_qk8, note="ALU trim off (the kernel before 2026-12-01)"),
+    **{f"trim{cg}": dict(over={"bwd_alu_trim": True, "bwd_dq_amax_cg": cg}, when=_qk8,
                          note=f"ALU trim, dQ amax {'per-column butterflies' if cg == 0 else f'reduce-scatter, {2 * cg} columns a batch'}")
-       for cg in (0, 1, 2, 4)},
+       for cg in (0, 1, 4)},
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTES = ("fp8_token", "bf16")

@@ -298,26 +298,38 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
 @click.option("--gpu", default=None, help="GPU name of the studies to freeze (needed when the storage has several)")
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="table file (default: tuning_db/<arch>-<gpu>.json)")
-def freeze_command(specs_dir, arch, storage, gpu, out_path):
+@click.option("--carry", "carry_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="a previous table of this arch and GPU: its entries fill the buckets the storage has no "
+                   "study for, each only while its group's candidates and route are unchanged (e.g. after a "
+                   "route was added to a family, tune only the new route)")
+def freeze_command(specs_dir, arch, storage, gpu, out_path, carry_path):
     """Freeze the tuned studies of one GPU into a dispatch table (written atomically)."""
     from ..dispatch.table import table_filename, tuning_db_dir, write_table
     from .freeze import FreezeError, freeze
     from .study import open_storage
 
     specs = _specs(specs_dir)
+    carry = None
+    if carry_path:
+        from ..dispatch.table import load_table
+
+        carry, why = load_table(carry_path)  # structure only: its staleness is judged entry by entry
+        if carry is None:
+            raise click.BadParameter(why, param_hint="'--carry'")
     try:
         st = open_storage(storage)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--storage'") from None
     try:
-        table, rep = freeze(st, arch, gpu, specs=specs)
+        table, rep = freeze(st, arch, gpu, specs=specs, carry=carry)
     except FreezeError as e:
         raise Fail(str(e)) from None
     path = Path(out_path) if out_path else tuning_db_dir() / table_filename(arch, table["_metadata"]["gpu"])
     write_table(path, table)
     for s in rep.skipped:
         console.print(f"[yellow]skipped[/yellow] {s}")
-    console.print(f"wrote {path}: {rep.entries} entries, {table['_metadata']['trials_total']} trials, "
+    carried = f" ({rep.carried} carried)" if carry is not None else ""
+    console.print(f"wrote {path}: {rep.entries} entries{carried}, {table['_metadata']['trials_total']} trials, "
                   f"GPU {table['_metadata']['gpu']}")
 
 

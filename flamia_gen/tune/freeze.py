@@ -6,6 +6,13 @@ listed with their reason and can never win. `trials` counts the distinct variant
 measured. Studies whose candidates no longer match the installed plan (specs changed)
 are skipped and reported, never frozen. The result depends only on which variants were
 measured and their times, not on which worker measured them or in what order.
+
+`carry`: a previous table of the same arch and GPU whose entries stand in for buckets the
+storage has no study for, each only while what it was measured on is still installed (the
+group exists with the same number of candidates, its winner and runner-up among them, and an
+attention entry's route has the spec hash the old table recorded): a route added to a family
+changes the family's hash but not the kernels of the routes already there, so their
+measurements are kept and only the new groups need tuning. Carried entries say so (`carried`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..dispatch.buckets import bucket_label
-from ..dispatch.defaults import plan_groups, spec_hashes
+from ..dispatch.defaults import DET_SUFFIX, plan_groups, spec_hashes
 from ..dispatch.table import gpu_slug, make_metadata
 from .study import measured_trials
 
@@ -29,6 +36,7 @@ class FreezeError(ValueError):
 class FreezeReport:
     entries: int = 0
     skipped: list[str] = field(default_factory=list)  # "study: why"
+    carried: int = 0  # entries taken over from the `carry` table
     gpus: list[str] = field(default_factory=list)
 
 
@@ -39,7 +47,26 @@ def _one(values: set) -> str | None:
     return vals[0] if len(vals) == 1 else " | ".join(vals)
 
 
-def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None) -> tuple[dict, FreezeReport]:
+def carry_reason(entry: dict, groups: dict, old_routes: dict, installed_routes: dict) -> str | None:
+    """None when a previous table's entry still describes the installed kernels, else why not."""
+    g = groups.get(entry["group"])
+    if g is None:
+        return f"group {entry['group']} is not in the installed plan"
+    cands = list(g.candidates)
+    if entry.get("candidates") is not None and entry["candidates"] != len(cands):
+        return f"{entry['candidates']} candidates then, {len(cands)} installed"
+    for r in (entry["winner"], entry.get("runner_up")):
+        if r and r["variant"] not in cands:
+            return f"{r['variant']} is no longer a candidate"
+    if entry["kind"] != "quant":
+        base = g.route.removesuffix(DET_SUFFIX)
+        if old_routes.get(base) is None or old_routes.get(base) != installed_routes.get(base):
+            return f"route {base} changed since it was measured"
+    return None
+
+
+def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None,
+           carry: dict | None = None) -> tuple[dict, FreezeReport]:
     from ..plan import make_plan
     from ..spec import load_specs
     from .study import open_storage
@@ -55,7 +82,15 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None)
                  if s.user_attrs.get("flamia_gen_study") and s.user_attrs.get("arch") == arch]
     gpus = sorted({s.user_attrs["gpu"] for s in summaries})
     rep.gpus = gpus
-    if not summaries:
+    if carry is not None:
+        cm = carry["_metadata"]
+        if cm["arch"] != arch or cm["untuned"] or not cm["gpu"]:
+            raise FreezeError(f"--carry: a tuned {arch} table is needed (it is arch {cm['arch']}, "
+                              f"{'untuned' if cm['untuned'] else 'GPU ' + str(cm['gpu'])})")
+        gpu = gpu or cm["gpu"]
+        if gpu_slug(cm["gpu"]) != gpu_slug(gpu):
+            raise FreezeError(f"--carry: the table was tuned on {cm['gpu']!r}, these studies are for {gpu!r}")
+    if not summaries and carry is None:
         raise FreezeError(f"no flamia-gen study for arch {arch} in this storage: "
                           f"run flamia-gen tune --arch {arch} first")
     if gpu is None:
@@ -63,9 +98,9 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None)
             raise FreezeError(f"studies for several GPUs in this storage: {gpus}; pick one with --gpu")
         gpu = gpus[0]
     chosen = [s for s in summaries if gpu_slug(s.user_attrs["gpu"]) == gpu_slug(gpu)]
-    if not chosen:
+    if not chosen and carry is None:
         raise FreezeError(f"no study for GPU {gpu!r} (arch {arch}); this storage has {gpus}")
-    gpu = chosen[0].user_attrs["gpu"]
+    gpu = chosen[0].user_attrs["gpu"] if chosen else gpu
 
     by_key: dict[str, list] = {}
     for s in sorted(chosen, key=lambda s: s.study_name):
@@ -111,10 +146,23 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None)
             "trials": len(trials), "candidates": len(a["candidates"]), "pruned": pruned,
             "workload": a["workload"], "heads": a["heads"], "study": s.study_name,
         }
+    hashes = spec_hashes(specs, plan, arch)
+    if carry is not None:
+        old_routes = carry["_metadata"]["spec_hashes"]["routes"]
+        for key, e in sorted(carry["entries"].items()):
+            if key in entries:
+                continue
+            why = carry_reason(e, groups, old_routes, hashes["routes"])
+            if why:
+                rep.skipped.append(f"carried {key}: {why}")
+                continue
+            entries[key] = dict(e, carried=e.get("carried") or carry["_metadata"].get("frozen_at") or True)
+            rep.carried += 1
     rep.entries = len(entries)
-    meta = make_metadata(arch, gpu=gpu, spec_hashes=spec_hashes(specs, plan, arch), untuned=False,
+    meta = make_metadata(arch, gpu=gpu, spec_hashes=hashes, untuned=False,
                          dsl=_one(env["dsl"]), torch=_one(env["torch"]), cuda_driver=_one(env["cuda_driver"]),
-                         extra={"trials_total": sum(e["trials"] for e in entries.values())})
+                         extra={"trials_total": sum(e["trials"] for e in entries.values()),
+                                "carried_entries": rep.carried})
     table = {"_metadata": meta, "entries": entries, "defaults": {k: g.default for k, g in groups.items()}}
     return table, rep
 

@@ -76,6 +76,8 @@ PARAMS = {
     "deterministic_dq": True,
     "deterministic": True,
     "bwd_interior_nomask": True,
+    "bwd_alu_trim": True,
+    "bwd_dq_amax_cg": 2,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
     "flamia_version": "0.1.0",
@@ -125,6 +127,8 @@ SM_COUNT = 132
 KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move along their contiguous axis
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
 LOG2E = 1.4426950408889634
+DQ_AMAX_CG = 2  # column groups (2 columns each) per batch of the dQ amax reduce-scatter
+DQ_AMAX_SCATTER = 2  # reduce-scatter rounds (log2 of the batch's columns)
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,6 +265,29 @@ def ds_exponent(amax):
 def quad_max_nan(x):
     x = fmax_nan(x, cute.arch.shuffle_sync_bfly(x, offset=1))
     return fmax_nan(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+def quad_max_i32(x):
+    x = cutlass.max(x, Int32(cute.arch.shuffle_sync_bfly(x, offset=1)))
+    return cutlass.max(x, Int32(cute.arch.shuffle_sync_bfly(x, offset=2)))
+
+
+def ds_key(amax):
+    """Order key of a group amax (≥ 0 or NaN) for the `ceil` exponent: (bits + 0x1FFFFF) >> 23 =
+    biased exponent + (mantissa > 1.75), so ds_exponent(amax) = clamp(key − 135, −127, 127). Monotone
+    in amax (NaN → 256, the largest), so the max of keys is the key of the max: groups are reduced in
+    key space and the exponent needs no further bit work."""
+    return (f32_bits(amax) + Uint32(0x1FFFFF)) >> Uint32(23)
+
+
+def pow2i_neg_ds_key(k):
+    """2^(−ds_exponent) from a key k ∈ [0, 256]: pow2i(−clamp(k − 135, −127, 127)) = 2^(min(262 − k, 254) − 127)."""
+    return bits_f32(Uint32(cutlass.min(Int32(262) - Int32(k), Int32(254))) << Uint32(23))
+
+
+def pow2i_ds_key(k):
+    """2^ds_exponent from a key k ∈ [0, 256]: pow2i(clamp(k − 135, −127, 127)) = 2^(max(k − 8, 0) − 127)."""
+    return bits_f32(Uint32(cutlass.max(Int32(k) - Int32(8), Int32(0))) << Uint32(23))
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,11 +429,23 @@ def bwd_interior(n_block, delta, doc_len):
     return i_lo, i_lo + cutlass.max(i_hi - i_lo, 0) * keys_in
 
 
+def dq_amax_owned(lane, b):
+    """(cg, cp) of the column whose whole-warp maximum `lane` holds after batch b of the dQ amax
+    reduce-scatter (one_tile): the batch's values are v = 2·(cg − DQ_AMAX_CG·b) + cp, and round r
+    (xor 4·2^r) keeps the upper half iff bit 2 + r of the lane is set, so the last value left is
+    v = Σ_r bit(2 + r)·2^(SCATTER − 1 − r). Plain integer arithmetic: works on Python ints (tests)
+    and in the kernel."""
+    v = 0
+    for r in range(DQ_AMAX_SCATTER):
+        v = v + ((lane >> (2 + r)) & 1) * (1 << (DQ_AMAX_SCATTER - 1 - r))
+    return DQ_AMAX_CG * b + (v >> 1), v & 1
+
+
 def row_word(c, which):
     """Per-query factors in shared memory, per stage, in S-column order: column pair p = c // 2
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
     two adjacent columns with one 8-byte load. which: 0 = LSE·log2 e, 1 = D, 2 = 2^eq·scale·log2 e,
-    3 = 2^eq, 4 = 2^edo, 5 = edo (as fp32)."""
+    3 = 2^eq, 4 = 2^edo, 5 = edo + 127 (dO's UE8M0 code, raw int32 bits: read with f32_bits)."""
     return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1)
 
 
@@ -705,7 +744,7 @@ class AttnBwdSm90:
                             sRow[rbase + row_word(c, 2)] = vals[4 * j + 2]
                             sRow[rbase + row_word(c, 3)] = vals[4 * j + 3]
                             sRow[rbase + row_word(c, 4)] = bits_f32(Uint32(dcs[j]) << Uint32(23))
-                            sRow[rbase + row_word(c, 5)] = Float32(dcs[j] - 127)
+                            sRow[rbase + row_word(c, 5)] = bits_f32(Uint32(dcs[j]))
                         cute.arch.sync_warp()
                         pipe_q.sync_object_full.arrive(q_state.index, pipe_q.producer_mask)
                         bq = pipe_q.producer_get_barrier(q_state)
@@ -840,10 +879,10 @@ class AttnBwdSm90:
     @cute.jit
     def dv_scale_rows(self, acc_S: cute.Tensor, acc_dV: cute.Tensor, sRow: cute.Tensor, rbase: Int32,
                       tScS: cute.Tensor, run: cute.Tensor, mxr: cute.Tensor):
-        """Masked tiles: each key row's own dV reference R_r = run[2 + rh] (mxr: this tile's max dO exponent
-        over the row's document); a moved R_r rescales that accumulator row; P·2^(s + edo − R_r)."""
+        """Masked tiles: each key row's own dV reference R_r = run[2 + rh] (mxr: this tile's max dO code
+        over the row's document, edo + 127); a moved R_r rescales that accumulator row; P·2^(s + edo − R_r)."""
         for rh in cutlass.range_constexpr(2):
-            r_new = Int32(quad_max(mxr[rh]))
+            r_new = quad_max_i32(mxr[rh]) - Int32(127)
             if r_new > run[2 + rh]:
                 f = pow2i(run[2 + rh] - r_new)
                 for i in cutlass.range_constexpr(cute.size(acc_dV)):
@@ -855,7 +894,7 @@ class AttnBwdSm90:
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    acc_S[i] = acc_S[i] * pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])
+                    acc_S[i] = acc_S[i] * pow2i(Int32(8 - 127) + Int32(f32_bits(ed[cp])) - run[2 + rh])
 
     @cute.jit
     def key_ranges(self, tScS: cute.Tensor, mRowDoc: cute.Tensor, key0: Int32, doc_start: Int32, doc_len: Int32,
@@ -906,9 +945,9 @@ class AttnBwdSm90:
         rbase = st * self.row_words
         # dV reference of key row r: the max dO exponent over the tile's queries of r's own document (on
         # masked tiles gathered in the loop below, where the document test is made anyway)
-        mxr = cute.make_rmem_tensor((2,), Float32)
+        mxr = cute.make_rmem_tensor((2,), Int32)  # dO codes (edo + 127): 0 stands for "no query"
         for rh in cutlass.range_constexpr(2):
-            mxr[rh] = Float32(-127.0)
+            mxr[rh] = Int32(0)
         # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
@@ -928,10 +967,10 @@ class AttnBwdSm90:
                     if const_expr(mask):
                         qq = qrow0 + c + cp
                         outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
-                        e = edm[cp]
+                        e = Int32(f32_bits(edm[cp]))
                         if outdoc:
-                            e = Float32(-127.0)
-                        mxr[rh] = fmax2(mxr[rh], e)
+                            e = Int32(0)
+                        mxr[rh] = cutlass.max(mxr[rh], e)
                         kk = key0 + tScS[2 * rh][0]
                         if outdoc | (kk > qq):
                             p = Float32(0.0)
@@ -945,11 +984,11 @@ class AttnBwdSm90:
         if const_expr(mask):
             self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)
         else:
-            mxe = Float32(-127.0)
+            mxe = Int32(0)
             for cg in cutlass.range_constexpr(8):
                 ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
-                mxe = fmax2(mxe, fmax2(ed[0], ed[1]))
-            r_new = Int32(quad_max(mxe))
+                mxe = cutlass.max(mxe, cutlass.max(Int32(f32_bits(ed[0])), Int32(f32_bits(ed[1]))))
+            r_new = quad_max_i32(mxe) - Int32(127)
             if r_new > run[2]:
                 f = pow2i(run[2] - r_new)
                 for i in cutlass.range_constexpr(cute.size(acc_dV)):
@@ -959,7 +998,7 @@ class AttnBwdSm90:
             for cg in cutlass.range_constexpr(8):
                 ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
                 for cp in cutlass.range_constexpr(2):
-                    pf = pow2i(Int32(8) + Int32(ed[cp]) - run[2])
+                    pf = pow2i(Int32(8 - 127) + Int32(f32_bits(ed[cp])) - run[2])
                     for rh in cutlass.range_constexpr(2):
                         i = cp + 2 * rh + 4 * cg
                         acc_S[i] = acc_S[i] * pf
@@ -994,32 +1033,47 @@ class AttnBwdSm90:
         dqf = cute.make_rmem_tensor((2,), Float32)
         # dQ: y = dS·2^ek per (query row, key tile) group: the row amax spans both warpgroups'
         # keys, so it is reduced over the warp's rows by shuffles and across warps in shared memory
+        # Per column: a = max over the thread's two key rows; then, per batch of DQ_AMAX_CG column groups
+        # (2·DQ_AMAX_CG columns), a reduce-scatter over the 8 lanes that hold the same columns (xor 4, 8, …:
+        # each round a lane keeps half of its columns and takes the partner's maxima of them), then plain
+        # butterfly rounds for the rest of the 8 lanes: each lane ends with one whole-warp column maximum
+        # per batch and adds it to shared memory with one atomic (lanes that share a column add the same
+        # value: max is idempotent; no divergent branch). Maxima travel as ds_key order keys. Small
+        # batches keep the live set small (register pressure next to the in-flight dV/dK wgmma).
         lane = cute.arch.lane_idx()
-        for cg in cutlass.range_constexpr(8):
-            for cp in cutlass.range_constexpr(2):
-                a = Float32(0.0)
-                for rh in cutlass.range_constexpr(2):
-                    i = cp + 2 * rh + 4 * cg
-                    y = acc_dP[i] * kf[rh]
-                    acc_dP[i] = y
-                    a = fmax_nan(a, fabs(y))
-                a = fmax_nan(a, cute.arch.shuffle_sync_bfly(a, offset=4))
-                a = fmax_nan(a, cute.arch.shuffle_sync_bfly(a, offset=8))
-                a = fmax_nan(a, cute.arch.shuffle_sync_bfly(a, offset=16))
-                if lane < 4:
-                    # non-negative fp32 (NaN included) order like their bit patterns
-                    cute.arch.atomic_max(sAmax.iterator + (buf * m + tScS[4 * cg][1] + cp), f32_bits(a))
+        for b in cutlass.range_constexpr(8 // DQ_AMAX_CG):
+            am = cute.make_rmem_tensor((2 * DQ_AMAX_CG,), Float32)
+            for cl in cutlass.range_constexpr(DQ_AMAX_CG):
+                cg = DQ_AMAX_CG * b + cl
+                for cp in cutlass.range_constexpr(2):
+                    for rh in cutlass.range_constexpr(2):
+                        i = cp + 2 * rh + 4 * cg
+                        acc_dP[i] = acc_dP[i] * kf[rh]
+                    am[2 * cl + cp] = fmax_nan(fabs(acc_dP[cp + 4 * cg]), fabs(acc_dP[cp + 2 + 4 * cg]))
+            half = DQ_AMAX_CG
+            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER):
+                upper = ((lane >> Int32(2 + rnd)) & Int32(1)) != Int32(0)  # keep the upper half
+                for v in cutlass.range_constexpr(half):
+                    send = Float32(cutlass.select_(upper, am[v], am[v + half]))
+                    keep = Float32(cutlass.select_(upper, am[v + half], am[v]))
+                    am[v] = fmax_nan(keep, cute.arch.shuffle_sync_bfly(send, offset=4 << rnd))
+                half = half // 2
+            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER, 3):
+                am[0] = fmax_nan(am[0], cute.arch.shuffle_sync_bfly(am[0], offset=4 << rnd))
+            # wgmma C layout: the column of element 4·cg + cp is tScS[0][1] + 8·cg + cp
+            cg_own, cp_own = dq_amax_owned(lane, b)
+            col = tScS[0][1] + Int32(8) * cg_own + cp_own
+            cute.arch.atomic_max(sAmax.iterator + (buf * m + col), ds_key(am[0]))
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         for cg in cutlass.range_constexpr(8):
-            am = self.load2(sAmax, buf * m + tScS[4 * cg][1])
+            amk = self.load2(sAmax, buf * m + tScS[4 * cg][1])
             for cp in cutlass.range_constexpr(2):
-                f = pow2i(-ds_exponent(bits_f32(am[cp])))
+                f = pow2i_neg_ds_key(amk[cp])
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
-            e = ds_exponent(bits_f32(sAmax[buf * m + tdQcdQ[2 * rh][0]]))
-            dqf[rh] = pow2i(e) * softmax_scale
+            dqf[rh] = pow2i_ds_key(sAmax[buf * m + tdQcdQ[2 * rh][0]]) * softmax_scale
         rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
         dst = tSsdS[None, None, None, buf]

@@ -120,14 +120,15 @@ def test_reduce_scatter_owner_is_the_column_it_holds(fp8_variant, cg):
         assert all(len(s) == 1 for s in owned.values())
 
 
-def test_off_by_default_and_the_trim_renders(fp8_variant):
-    """Off (the default until run on a GPU): none of the trim (the committed generated/ file, checked by
-    test_render, is then the verified kernel). On: batches of 2 column groups by default, no per-column
-    branch; bwd_dq_amax_cg=0 keeps the per-column butterfly and its lane < 4 atomics."""
-    off = _render(fp8_variant)
+def test_on_by_default_and_the_untrimmed_kernel_renders(fp8_variant):
+    """On by default since its H200 run (2026-12-01: bitwise the untrimmed kernel's values): batches of 2
+    column groups, no per-column branch. Off (bwd_alu_trim=False): none of the trim, the kernel verified
+    before it; bwd_dq_amax_cg=0 keeps the per-column butterfly and its lane < 4 atomics."""
+    off = _render(fp8_variant, bwd_alu_trim=False)
     assert "bwd_alu_trim" not in off and "DQ_AMAX_CG" not in off and "ds_key" not in off
     assert "if lane < 4:" in off and "sRow[rbase + row_word(c, 5)] = Float32(dcs[j] - 127)" in off
-    on = _render(fp8_variant, bwd_alu_trim=True)
+    on = _render(fp8_variant)
+    assert on == _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=2)
     assert '"bwd_alu_trim": True' in on and "DQ_AMAX_CG = 2" in on and "if lane < 4:" not in on
     assert "sRow[rbase + row_word(c, 5)] = bits_f32(Uint32(dcs[j]))" in on and "Int32(ed[cp])" not in on
     old = _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=0)
@@ -175,7 +176,7 @@ def test_compile_trim_variant(fp8_variant, compile_sm90, tmp_path, det):
     v = fp8_variant if not det else next(
         x for x in plan.variants if x.kind.value == "attn_bwd" and x.route == "fp8_token" and x.param("head_dim") == 128
         and x.param("causal") and dict(x.params).get("deterministic"))
-    off = _ptx_counts(compile_sm90(v, source=_render(v)))
+    off = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=False)))
     for p in (tmp_path / "dump").glob("*.ptx"):
         p.unlink()
     on = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=True)))
@@ -201,9 +202,12 @@ def test_bwd_experiments_variants_names_and_support():
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag:
-            assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is True
+            assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render(v)
-            assert f"DQ_AMAX_CG = {dict(v.params)['bwd_dq_amax_cg']}" in src
+            if tag == "notrim":
+                assert "bwd_alu_trim" not in src
+            else:
+                assert f"DQ_AMAX_CG = {dict(v.params)['bwd_dq_amax_cg']}" in src
     fwd = {v.route for v in support if v.kind.value == "attn_fwd"}
     uses = {u for v in support if v.kind.value == "quant" for u in v.uses}
     assert fwd == {"fp8_token", "bf16"} and {"fp8_token.q", "fp8_token.k", "fp8_token.v", "fp8_token.do", "bf16.do"} <= uses
@@ -216,7 +220,7 @@ def test_bwd_experiments_table_reports_ratios_and_bitwise():
     wl = ((4096,) * 4,)
     rows = [dict(variant="attn_bwd_sm90_fp8_token_x", tag="default", ok=True, cos_emu=0.9999979, cos_fp32=0.9978,
                  **{"4x4096": 3.0}),
-            dict(variant="attn_bwd_sm90_fp8_token_x", tag="trim2", ok=True, cos_emu=0.9999979, cos_fp32=0.9978,
+            dict(variant="attn_bwd_sm90_fp8_token_x", tag="trim1", ok=True, cos_emu=0.9999979, cos_fp32=0.9978,
                  dq_bitwise=False,
                  dk_bitwise=True, dv_bitwise=True, dq_max_abs_diff=1e-7, **{"4x4096": 2.7})]
     t = bx.table(rows, wl)
@@ -244,14 +248,17 @@ def test_bwd_experiments_candidate_routes():
     assert {v.name for v in plain_bwd} < {v.name for v in bwd}
 
 
-def test_bwd_experiments_trims_only_fp8_token():
+def test_bwd_experiments_trim_the_tiles_with_a_ds_amax():
+    """The trim A/B copies go to the routes whose tile has the dS amax (fp8_token, fp8_token_bf16qk), not to
+    fp8_pv (BF16 dS) or bf16."""
     from flamia_gen.bench import bwd_experiments as bx
     from flamia_gen.bench.fwd_experiments import experiment_variants
 
     bwd, _ = bx.base_variants(candidates=["fp8_token_bf16qk", "fp8_pv"])
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
-    assert {v.route for t, v in tagged if t} == {"fp8_token"}
+    assert {v.route for t, v in tagged if t} == {"fp8_token", "fp8_token_bf16qk"}
     assert len([v for t, v in tagged if not t]) == 8 + 4 + 4
+    assert len([v for t, v in tagged if t]) == 2 * 4 * len(bx.EXPERIMENTS)
 
 
 def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
@@ -265,7 +272,7 @@ def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
     lost = {"attn_bwd_sm90_c": True}
     monkeypatch.setattr(fx, "cuda_context_lost", lambda e, tag: lost.get(e["name"], False))
     entries = [{"name": n, "params": {"causal": True}} for n in
-               ("attn_bwd_sm90_a", "attn_bwd_sm90_a_xtrim2", "attn_bwd_sm90_b", "attn_bwd_sm90_c", "attn_bwd_sm90_d")]
+               ("attn_bwd_sm90_a", "attn_bwd_sm90_a_xtrim1", "attn_bwd_sm90_b", "attn_bwd_sm90_c", "attn_bwd_sm90_d")]
 
     def measure(e, base, tag, row):
         if e["name"].endswith(("_b", "_c")):
@@ -274,6 +281,6 @@ def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
 
     rows = fx.run_entries(entries, measure, bx._fmt_row, bx.table, ((4096,) * 4,), tmp_path / "r.json", bx.EXPERIMENTS)
     assert [r["variant"] for r in rows] == ["attn_bwd_sm90_a", "attn_bwd_sm90_a", "attn_bwd_sm90_b", "attn_bwd_sm90_c"]
-    assert rows[1]["tag"] == "trim2" and "error" in rows[2] and "error" in rows[3]  # d never ran
+    assert rows[1]["tag"] == "trim1" and "error" in rows[2] and "error" in rows[3]  # d never ran
     assert json.loads((tmp_path / "r.json").read_text()) == rows
     assert "2.000 (0.500×)" in capsys.readouterr().out

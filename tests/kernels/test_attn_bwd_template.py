@@ -42,11 +42,14 @@ def _is_det(v) -> bool:
     return bool(dict(v.params).get("deterministic", False))  # only deterministic variants carry the key
 
 
+ROUTES = ("bf16", "fp8_token", "fp8_token_bf16qk", "fp8_pv")
+
+
 def test_family_expands_to_eight_variants_per_head_dim(variants):
     names = sorted(v.name for v in variants)
     assert names == sorted(
         f"attn_bwd_sm90_{r}_d{d}_m64n128_s2_wg2_preg_longest_first{det}{nc}"
-        for r in ("bf16", "fp8_token") for d in (64, 128) for det in ("", "_det") for nc in ("", "_noncausal"))
+        for r in ROUTES for d in (64, 128) for det in ("", "_det") for nc in ("", "_noncausal"))
     assert all(_is_det(v) == ("_det" in v.name) for v in variants)
 
 
@@ -60,13 +63,16 @@ def test_render_deterministic_and_parses(variants):
         tail = ["lse", "delta", "cu_seqlens", "row_doc", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
         tail += ["softmax_scale", "dq_accum", "dk", "dv"]
         names = [x["name"] for x in lit["ARGS"]]
-        if v.route == "fp8_token":
+        if v.route in ("fp8_token", "fp8_token_bf16qk"):  # (bf16qk: q, k BF16, the codes in q_t, k_t)
             assert names == ["q", "q_t", "q_scale", "k", "k_t", "k_scale", "v", "v_scale", "do", "do_t",
                              "do_scale"] + tail
             assert lit["KEY_ALIGN"] == 16
             # every K-major (tokens-contiguous) TMA is offset by a 16-aligned base, never doc_start
             assert "domain_offset((0, doc_start)" not in a
             assert "domain_offset((0, k0), mKt" in a and "domain_offset((0, base), mQt" in a
+        elif v.route == "fp8_pv":  # BF16 Q, K, dS; 8-bit V, dO
+            assert names == ["q", "k", "v", "v_scale", "do", "do_t", "do_scale"] + tail
+            assert lit["KEY_ALIGN"] == 16
         else:
             assert names == ["q", "k", "v", "do"] + tail
             assert lit["KEY_ALIGN"] == 1
@@ -91,7 +97,7 @@ def _render_with(v, **over):
 def test_non_deterministic_render_has_no_semaphore_code(variants):
     """`deterministic` false or absent renders today's kernel: no semaphore, no new argument."""
     plain = [v for v in variants if not _is_det(v)]
-    assert len(plain) == 8  # 2 routes × causal/non-causal × D = 64, 128
+    assert len(plain) == 4 * len(ROUTES)  # routes × causal/non-causal × D = 64, 128
     for v in plain:
         src = render_variant(v)
         assert "deterministic" not in v.context

@@ -29,8 +29,8 @@ def _twin(v, route):
     return TWINS[v.name.replace(ROUTE, route)]
 
 
-def test_not_shipped_yet_and_expands_like_nvfp4_mixed():
-    assert ROUTE not in load_specs().families["attn_fwd_sm90"].routes  # until verified on a GPU
+def test_shipped_and_expands_like_nvfp4_mixed():
+    assert ROUTE in load_specs().families["attn_fwd_sm90"].routes  # since its first H200 run (2026-12-01)
     assert {(v.param("tile_m"), v.param("tile_n")) for v in VARIANTS} == \
         {(v.param("tile_m"), v.param("tile_n")) for v in _family_variants(["nvfp4_mixed"])}
     for v in VARIANTS:

@@ -57,13 +57,14 @@ def test_render_deterministic_and_parses(v):
     assert lit["PARAMS"]["tile_n"] == v.param("tile_n")
     names = [x["name"] for x in lit["ARGS"]]
     tail = ["cu_seqlens", "row_doc", "work", "softmax_scale", "o", "lse"]
-    if v.param("q_fmt") == "e4m3":
+    if v.param("q_fmt") == "e4m3" and not dict(v.params).get("scores_bf16"):
         from flamia_gen.runtime.attn_fwd import diag_inputs_needed
 
         diag = list(diag_inputs_needed(lit["PARAMS"]))  # the token-block routes' diagonal-tile copies
         assert names == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale"] + diag + tail
         assert "QGMMA" not in a  # sanity: the source is DSL, not SASS
-    elif v.param("q_fmt") == "e2m1":  # nvfp4_mixed: BF16 QKᵀ on dequantized NVFP4, FP8 PV
+    elif v.param("q_fmt") == "e2m1" or dict(v.params).get("scores_bf16"):
+        # nvfp4_mixed (BF16 QKᵀ on dequantized NVFP4), fp8_token_bf16qk / fp8_pv (BF16 QKᵀ on q, k): FP8 PV
         from flamia_gen.runtime.attn_fwd import diag_inputs_needed
 
         diag = list(diag_inputs_needed(lit["PARAMS"]))
@@ -266,7 +267,7 @@ def test_key_tiling_aligned_and_covers_and_masks(v):
     key_tiling, c = _key_tiling_fn(render_variant(v))
     causal = v.param("causal")
     tm, tn, align = c["TILE_M"], c["TILE_N"], c["KEY_ALIGN"]
-    fp8 = v.param("q_fmt") in ("e4m3", "e2m1")  # nvfp4_mixed: Vᵀ is E4M3 K-major (16-aligned TMA)
+    fp8 = v.param("v_fmt") == "e4m3"  # the FP8 PV side (nvfp4_mixed, the BF16-score routes too): Vᵀ E4M3 K-major (16-aligned TMA)
     assert align == (16 if fp8 else 1)
     g = torch.Generator().manual_seed(1)
     starts = [0, 1, 3, 6, 15, 16, 17, 1000, 1024, 1300, 4099] + torch.randint(0, 10 ** 6, (40,), generator=g).tolist()
@@ -339,7 +340,7 @@ def _module_fns(src: str, names):
     return [ns[n] for n in names]
 
 
-_FP8 = [v for v in VARIANTS if v.param("q_fmt") == "e4m3"]
+_FP8 = [v for v in VARIANTS if v.param("q_fmt") == "e4m3" and not dict(v.params).get("scores_bf16")]  # E4M3 QKᵀ
 _HELPERS = ("key_of_col", "col_of_key", "scale_word", "p_pack")
 
 
@@ -578,9 +579,11 @@ def test_three_consumer_warpgroups_render_registers_and_tiling():
     # D = 128: m192n128 only (n192: registers), and not BF16 (shared memory); D = 64 fits all of them
     w3_128 = [v for v in w3 if v.param("head_dim") == 128]
     assert all(v.param("tile_n") == 128 for v in w3_128)
-    assert {v.route for v in w3_128} == {"fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed"}
+    assert {v.route for v in w3_128} == {"fp8_tensor", "fp8_token", "fp8_token_bf16qk", "fp8_pv", "mxfp8", "mxfp8_exact",
+                                         "nvfp4_mixed"}
     assert {(v.route, v.param("tile_n")) for v in w3 if v.param("head_dim") == 64} == {
-        (r, n) for r in ("bf16", "fp8_tensor", "fp8_token", "mxfp8", "mxfp8_exact", "nvfp4_mixed") for n in (128, 192)}
+        (r, n) for r in ("bf16", "fp8_tensor", "fp8_token", "fp8_token_bf16qk", "fp8_pv", "mxfp8", "mxfp8_exact",
+                         "nvfp4_mixed") for n in (128, 192)}
     for v in w3:
         src = render_variant(v)
         lit = _literals(src)["PARAMS"]

@@ -58,8 +58,10 @@ def _variants():
     plan = make_plan(load_specs(), arch="sm90")
     out = {}
     for v in plan.variants:
-        if v.kind.value == "attn_fwd" and v.param("head_dim") == 128 and not v.param("intra_wg_overlap"):
-            key = (v.param("q_fmt") != "bf16", v.param("causal"), v.param("tile_m"), v.param("tile_n"))
+        if v.kind.value == "attn_fwd" and not v.param("intra_wg_overlap"):
+            # D = 128 renders the window pass (fwd_window_pass), D = 64 the per-row limits: both rules replayed
+            key = (v.param("q_fmt") != "bf16", v.param("causal"), v.param("tile_m"), v.param("tile_n"),
+                   v.param("head_dim"))
             out.setdefault(key, v)
     return sorted(out.values(), key=lambda v: v.name)
 
@@ -67,8 +69,12 @@ def _variants():
 def _row_visibility(v, lens, row_bounds=True):
     """Replay the schedule and the kernel's masks on ints: {token: keys its row sees} and the
     row_doc table. `row_bounds=False` drops the window rule's per-row bounds (a negative control)."""
-    key_tiling, c = _key_tiling_fn(render_variant(v))
+    src = render_variant(v)
+    key_tiling, c = _key_tiling_fn(src)
     tm, tn, causal = c["TILE_M"], c["TILE_N"], v.param("causal")
+    # fwd_window_pass: pass 1 masks with the unit's limits ((key < 0) only on the FP8 PV side, whose tile 0
+    # may hold the previous document's keys), then a second pass cuts a window's rows to their documents
+    wpass, pv8 = '"fwd_window_pass": True' in src, v.param("v_fmt") == "e4m3"
     cu = _cu(lens)
     s = fwd_schedule(cu, tm, causal, T=int(cu[-1]), tile_n=tn)
     assert int((s.work[:, 2] == 1).sum()) > 0  # the documents do exercise windows
@@ -90,7 +96,12 @@ def _row_visibility(v, lens, row_bounds=True):
             for n in range(nblk):
                 for kk in range(n * tn - delta, (n + 1) * tn - delta):
                     if n >= n_mask or (n_lo and n == 0):  # masked tile: the kernel's mask
-                        if kk < lo or kk >= hi or (causal and kk > r):
+                        if wpass:
+                            if (pv8 and kk < 0) or kk >= dlen or (causal and kk > r):
+                                continue
+                            if own and (kk < lo or kk >= hi):  # the window pass
+                                continue
+                        elif kk < lo or kk >= hi or (causal and kk > r):
                             continue
                     keys.add(start + kk)
             assert tok not in seen, tok  # exactly one item writes a row
@@ -149,3 +160,22 @@ def test_run_attn_fwd_refuses_a_schedule_of_other_tiles():
     with pytest.raises(ValueError, match="schedule: built for other documents or tiles"):
         run_attn_fwd(lambda *a: None, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
                      x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], schedule=bad)
+
+
+def test_window_pass_only_at_d128_and_off_renders_the_per_row_limits():
+    """fwd_window_pass: on at D = 128 (no per-row limits in the tile loops, a second pass for windows), off at
+    D = 64 (the kernel verified before it); the render-context override flips either."""
+    from flamia_gen.render.render import _environment, templates_dir
+
+    by_d = {d: next(v for v in _variants() if v.param("head_dim") == d and v.param("q_fmt") == "e4m3"
+                    and v.param("tile_m") == 192) for d in (64, 128)}
+    on, off = render_variant(by_d[128]), render_variant(by_d[64])
+    assert '"fwd_window_pass": True' in on and "row_lim" not in on and "lim_len = -doc_len" in on
+    assert "if lim_len < 0:" in on and on.count("mRowDoc[rtok, 0]") == 1
+    assert '"fwd_window_pass"' not in off and "lim_len" not in off and "row_lim[2 + rh] = doc_len" in off
+
+    def render_with(v, **over):
+        return _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+
+    assert "row_lim" in render_with(by_d[128], fwd_window_pass=False)
+    assert "lim_len = -doc_len" in render_with(by_d[64], fwd_window_pass=True)

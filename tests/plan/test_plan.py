@@ -145,7 +145,9 @@ def test_plan_delta_variants_serve_do_only(specs, arch, n_delta):
     names = [v.name for v in quant if not v.param("with_delta")]
     assert not any("delta" in n for n in names)
     t = by_name[f"quant_{arch}_e4m3_tok_ceil_delta_d128_t32_h1"]
-    assert t.uses == ("fp8_token.do", "fp8_token_hadamard.do")
+    # sm90 also serves the BF16-score routes' dO (their V and dO are fp8_token's)
+    assert t.uses == (("fp8_pv.do", "fp8_token.do", "fp8_token_bf16qk.do", "fp8_token_hadamard.do") if arch == "sm90"
+                      else ("fp8_token.do", "fp8_token_hadamard.do"))
     assert by_name[f"quant_{arch}_e5m2_tsr_ceil_delta_d64_t32_h1"].uses == ("fp8_tensor.do",)
     assert by_name[f"quant_{arch}_e4m3_tb32_ceil_delta_d128_t32_h1"].uses == (
         "mxfp8.do", "mxfp8_exact.do", "nvfp4_mixed.do")
@@ -198,7 +200,7 @@ def test_deterministic_backward_needs_a_persistent_scheduler():
     assert check_attn_bwd(Arch.sm90, 1, dict(p, scheduler="longest_first"))[0]
     plan = make_plan(load_specs(), arch="sm90", kinds=["attn_bwd"])
     det = [v.name for v in plan.variants if "_det" in v.name]
-    assert len(det) == 8 and all("longest_first" in n for n in det)  # 2 routes × causal × D = 64, 128
+    assert len(det) == 16 and all("longest_first" in n for n in det)  # 4 routes × causal × D = 64, 128
 
 
 def test_backward_smem_counts_the_dq_staging_tile():

@@ -209,3 +209,63 @@ def test_sqlite_storage_has_no_heartbeat_and_orphans_are_failed_at_start(storage
     assert rep.measured == 2 and [v for _, v, _ in read_log(log)] == ["v0", "v1"]
     states = [t.state for t in _study(st, spec).get_trials()]
     assert states[0] == optuna.trial.TrialState.FAIL and states.count(optuna.trial.TrialState.COMPLETE) == 2
+
+
+def _tuned(sm90, storage_url, routes, gpu="Fake GPU"):
+    specs, plan = sm90
+    st = open_storage(storage_url)
+    groups = select_groups(plan, specs, kinds=["quant", "attn_fwd"], routes=list(routes))
+    studies = make_study_specs(groups, parse_workloads("4x1024"), gpu=gpu)
+    create_studies(studies, st)
+    run_worker(studies, st, FakeRunner(gpu=gpu))
+    return st, studies
+
+
+def test_freeze_carries_a_previous_tables_entries_while_their_kernels_are_installed(storage_url, tmp_path, sm90):
+    """Tune fp8_token, freeze; then a fresh storage that tuned only bf16, frozen with `carry`: the
+    fp8_token entries come over unchanged (marked carried), bf16's are the new studies'; an entry
+    whose winner is no longer a candidate, or whose route's spec hash moved, is dropped with its reason."""
+    specs, plan = sm90
+    st, old_studies = _tuned(sm90, storage_url, ("fp8_token",))
+    old, _ = freeze(st, "sm90", specs=specs, plan=plan)
+    st2, new_studies = _tuned(sm90, f"sqlite:///{tmp_path / 'two.db'}", ("bf16",))
+    attn_old = sorted(k for k, e in old["entries"].items() if e["kind"] != "quant")
+    key = attn_old[0]
+    old["entries"][key]["winner"]["variant"] = "attn_fwd_sm90_gone"
+    gone_route = old["entries"][attn_old[-1]]["route"].removesuffix("_det")
+    moved = dict(old, _metadata=dict(old["_metadata"], spec_hashes={
+        "routes": dict(old["_metadata"]["spec_hashes"]["routes"]), "families": {}}))
+    table, rep = freeze(st2, "sm90", specs=specs, plan=plan, carry=old)
+    new_keys = {s.key for s in new_studies}
+    assert new_keys <= set(table["entries"])
+    for k, e in old["entries"].items():
+        if k in new_keys:
+            assert "carried" not in table["entries"][k]
+        elif k == key:
+            assert k not in table["entries"]
+            assert any(s.startswith(f"carried {k}: ") and "no longer a candidate" in s for s in rep.skipped)
+        else:
+            assert table["entries"][k] == dict(e, carried=old["_metadata"]["frozen_at"])
+    assert rep.carried == len(set(old["entries"]) - new_keys) - 1
+    assert table["_metadata"]["carried_entries"] == rep.carried
+    # a route whose spec hash differs from what the old table recorded: none of its entries is kept
+    moved["_metadata"]["spec_hashes"]["routes"][gone_route] = "0" * 16
+    table2, rep2 = freeze(st2, "sm90", specs=specs, plan=plan, carry=moved)
+    assert not any(e.get("carried") and e["kind"] != "quant" and e["route"].removesuffix("_det") == gone_route
+                   for e in table2["entries"].values())
+    assert any("changed since it was measured" in s for s in rep2.skipped)
+
+
+def test_freeze_with_carry_only_and_its_refusals(storage_url, tmp_path, sm90):
+    specs, plan = sm90
+    st, _ = _tuned(sm90, storage_url, ("fp8_token",))
+    old, _ = freeze(st, "sm90", specs=specs, plan=plan)
+    empty = open_storage(f"sqlite:///{tmp_path / 'empty.db'}")
+    table, rep = freeze(empty, "sm90", specs=specs, plan=plan, carry=old)
+    assert table["entries"] == {k: dict(e, carried=old["_metadata"]["frozen_at"]) for k, e in old["entries"].items()}
+    assert table["_metadata"]["gpu"] == "Fake GPU" and rep.carried == len(old["entries"])
+    with pytest.raises(FreezeError, match="tuned on 'Fake GPU'"):
+        freeze(empty, "sm90", "Other GPU", specs=specs, plan=plan, carry=old)
+    untuned = dict(old, _metadata=dict(old["_metadata"], untuned=True, gpu=None))
+    with pytest.raises(FreezeError, match="a tuned sm90 table is needed"):
+        freeze(empty, "sm90", specs=specs, plan=plan, carry=untuned)
