@@ -40,11 +40,9 @@ EXPERIMENTS: dict[str, dict] = {
     # does FP8 lose its overlap gain to the barrier protocol? (profile 2026-11-29, perf-notes)
     "nopp": dict(over={"ovl_pingpong": False}, when=lambda p: p["intra_wg_overlap"] and p["compute_warpgroups"] == 2,
                  note="intra-warpgroup overlap, no inter-warpgroup ping-pong"),
-    # fwd_window_pass (on at D = 128 since 2026-12-01, off at D = 64): the other setting, for a same-process A/B
-    "nowpass": dict(over={"fwd_window_pass": False}, when=lambda p: p["head_dim"] == 128,
-                    note="windows by per-row limits (the kernel before 2026-12-01) at D = 128"),
-    "wpass64": dict(over={"fwd_window_pass": True}, when=lambda p: p["head_dim"] == 64,
-                    note="windows by a second pass over masked tiles at D = 64"),
+    # fwd_window_pass (on since 2026-12-01): the per-row-limit windows of 2026-11-29, for a same-process A/B
+    "nowpass": dict(over={"fwd_window_pass": False}, when=lambda p: True,
+                    note="windows by per-row limits live across the tile loops (the kernel of 2026-11-29)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"

@@ -57,6 +57,7 @@ PARAMS = {
     "causal": False,
     "exp_approx": "ex2",
     "k_row_perm": False,
+    "fwd_window_pass": True,
     "sm_count": 132,
     "spec_hash": "f6aeccfd77121703",
     "flamia_version": "0.1.0",
@@ -547,7 +548,6 @@ class AttnFwdSm90:
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_q = cute.make_rmem_tensor((2,), Float32)
-        row_lim = cute.make_rmem_tensor((4,), Int32)  # per row: first visible key, end of visible keys
 
         T = mO.shape[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -561,18 +561,14 @@ class AttnFwdSm90:
             if (doc >= 0) & (m_block * self.tile_m < doc_len) & (nblk > 0):
                 q0 = doc_start + m_block * self.tile_m
                 row0 = m_block * self.tile_m  # document-local position of the tile's row 0
+                # what the masks need to find a row's visible keys, in one register: doc_len, negated for a
+                # window (its rows see their own documents: softmax's window pass reads row_doc)
+                lim_len = doc_len
+                if window != 0:
+                    lim_len = -doc_len
                 for rh in cutlass.range_constexpr(2):
                     row_max[rh] = -Float32.inf
                     row_sum[rh] = Float32(0.0)
-                    # visible keys of the row: [row_lim[rh], row_lim[2 + rh]) (local to doc_start); a window's
-                    # row sees only its own document (row_doc: the token's document [start, end), global)
-                    row_lim[rh] = Int32(0)
-                    row_lim[2 + rh] = doc_len
-                    if window != 0:
-                        rtok = q0 + tScS[2 * rh][0]
-                        if rtok < doc_start + doc_len:
-                            row_lim[rh] = mRowDoc[rtok, 0] - doc_start
-                            row_lim[2 + rh] = mRowDoc[rtok, 1] - doc_start
                     tok = q0 + tScS[2 * rh][0]
                     qc = Int32(0)
                     if tok < T:
@@ -590,11 +586,11 @@ class AttnFwdSm90:
                         n = Int32(0)
                     kv_state = self.one_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                              sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                             n * self.tile_n - delta, row0, row_lim, True)
+                                             n * self.tile_n - delta, row0, mRowDoc, q0, lim_len, True)
                 for i in cutlass.range(n_mask - n_lo, unroll=1):
                     kv_state = self.one_tile(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_O, tScS,
                                              sScale, pipe_k, pipe_v, kv_state, row_max, row_sum, row_q,
-                                             (n_mask - 1 - i) * self.tile_n - delta, row0, row_lim, False)
+                                             (n_mask - 1 - i) * self.tile_n - delta, row0, mRowDoc, q0, lim_len, False)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 self.epilogue(acc_O, tOcO, row_max, row_sum, mO, mLSE, sO, q0, row0, doc_len, head, wg, tidx)
@@ -618,7 +614,7 @@ class AttnFwdSm90:
     @cute.jit
     def softmax(self, acc_S: cute.Tensor, tScS: cute.Tensor, sScale: cute.Tensor, stage: Int32,
                 row_max: cute.Tensor, row_sum: cute.Tensor, row_q: cute.Tensor, key0: Int32, row0: Int32,
-                row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
+                mRowDoc: cute.Tensor, q0: Int32, lim_len: Int32, mask: cutlass.Constexpr[bool]):
         """Online softmax of one S tile in place (S → P as fp32); returns the O rescale factors.
 
         The running max m is an integer (ceil), as in the emulator: a move of m rescales O and l
@@ -630,6 +626,11 @@ class AttnFwdSm90:
         m_arg = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
             mx[rh] = -Float32.inf
+        # masked tiles: pass 1 keeps the keys [0, doc_len) of the unit (doc_len = |lim_len|, the same for
+        # every row); a window's rows (lim_len < 0) are then cut to their own documents by one more pass
+        doc_len = lim_len
+        if lim_len < 0:
+            doc_len = -lim_len
         base = stage * self.scale_words
         # pass 1: y = x (+ ev): base-2 logits of visible keys, -inf elsewhere; row max of y
         for cg in cutlass.range_constexpr(24):
@@ -645,11 +646,34 @@ class AttnFwdSm90:
                         # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
                         # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
                         key = col0 + kt + key_of_col(8 * cg + cp)
-                        # row_lim: [0, doc_len) of the document, or of the row's own document in a window
-                        if (key < row_lim[rh]) | (key >= row_lim[2 + rh]):
+                        if (key < 0) | (key >= doc_len):
                             y = -Float32.inf
                     acc_S[i] = y
                     mx[rh] = fmax2(mx[rh], y)
+        if const_expr(mask):
+            if lim_len < 0:
+                # window: each row sees its own document only (row_doc: the token's [start, end), global);
+                # a pass of its own, after pass 1's column factors are dead (fwd_window_pass)
+                doc_start = q0 - row0
+                lim = cute.make_rmem_tensor((4,), Int32)
+                for rh in cutlass.range_constexpr(2):
+                    lim[rh] = Int32(0)
+                    lim[2 + rh] = doc_len
+                    rtok = q0 + tScS[2 * rh][0]
+                    if rtok < doc_start + doc_len:
+                        lim[rh] = mRowDoc[rtok, 0] - doc_start
+                        lim[2 + rh] = mRowDoc[rtok, 1] - doc_start
+                    mx[rh] = -Float32.inf
+                for cg in cutlass.range_constexpr(24):
+                    for cp in cutlass.range_constexpr(2):
+                        for rh in cutlass.range_constexpr(2):
+                            i = cp + 2 * rh + 4 * cg
+                            key = col0 + kt + key_of_col(8 * cg + cp)
+                            y = acc_S[i]
+                            if (key < lim[rh]) | (key >= lim[2 + rh]):
+                                y = -Float32.inf
+                            acc_S[i] = y
+                            mx[rh] = fmax2(mx[rh], y)
         rs = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
             m_new = fmax2(row_max[rh], ceil_f32(quad_max(mx[rh])))
@@ -731,14 +755,14 @@ class AttnFwdSm90:
     def one_tile(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ: cute.Tensor,
                  tSrK: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, acc_O: cute.Tensor, tScS: cute.Tensor,
                  sScale: cute.Tensor, pipe_k, pipe_v, kv_state, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 row_q: cute.Tensor, key0: Int32, row0: Int32, row_lim: cute.Tensor, mask: cutlass.Constexpr[bool]):
+                 row_q: cute.Tensor, key0: Int32, row0: Int32, mRowDoc: cute.Tensor, q0: Int32, lim_len: Int32, mask: cutlass.Constexpr[bool]):
         """S = QKᵀ, softmax, O = O·scale + P·V for one key tile, no overlap."""
         acc_S = cute.make_rmem_tensor(tiled_mma_qk.get_slice(0).partition_shape_C((self.tile_m, self.tile_n)),
                                       Float32)
         pipe_k.consumer_wait(kv_state)
         self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
         warpgroup.wait_group(0)
-        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, row_lim,
+        scale_o = self.softmax(acc_S, tScS, sScale, kv_state.index, row_max, row_sum, row_q, key0, row0, mRowDoc, q0, lim_len,
                                mask)
         pipe_k.consumer_release(kv_state)  # the per-key scales live in the K stage
         self.convert_p(acc_S, tOrP)
