@@ -37,6 +37,8 @@ import torch
 from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, kernel_key_align,
                        longest_first, merge_windows)
 
+_E5M2_CODE_DTYPES = (torch.uint8, torch.float8_e5m2)
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
@@ -133,18 +135,21 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
                      q_scale=None, k_scale=None, v_scale=None, do_scale=None, dq_accum=None,
                      head_dim: int | None = None, scores_bf16: bool = False,
-                     ds16: bool = False) -> tuple[int, int, int, int]:
+                     ds16: bool = False, do_e5m2: bool = False) -> tuple[int, int, int, int]:
     """Validate the backward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
     argument. fp8: q, k, v, do codes (T, H, D) uint8/float8_e4m3fn, q_t, k_t, do_t codes (H, D, T_PAD),
     four uint8 scale tensors (T, H); with `scores_bf16` q and k are the BF16 inputs instead (Sᵀ = K·Qᵀ
     in BF16; q_t, k_t and the scales still serve dK, dQ), with `ds16` too (dK, dQ in BF16 on q, k: route
-    fp8_pv) there are no q_t, k_t, q_scale, k_scale; bf16: q, k, v, do BF16 (T, H, D). lse, delta
+    fp8_pv) there are no q_t, k_t, q_scale, k_scale; with `do_e5m2` (route fp8_tensor) do and do_t are E5M2
+    codes (uint8/float8_e5m2); bf16: q, k, v, do BF16 (T, H, D). lse, delta
     fp32 (HQ, T); dq_accum, when given, fp32 (T, HQ, D). cu_seqlens values are checked only on the CPU."""
     dev = q.device if isinstance(q, torch.Tensor) else None
     code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
     qk_code = (torch.bfloat16,) if scores_bf16 else code
     _need(fp8 or not scores_bf16, "q", "scores_bf16 (BF16 q, k with FP8 dP, dV, dK, dQ) needs fp8=True")
     _need(scores_bf16 or not ds16, "q", "ds16 (BF16 dK, dQ on BF16 q, k) needs scores_bf16=True")
+    _need(fp8 or not do_e5m2, "do", "do_e5m2 (E5M2 dO codes) needs fp8=True")
+    do_code = _E5M2_CODE_DTYPES if do_e5m2 else code
     _check_tensor(q, "q", qk_code, (None, None, None), dev)
     T, HQ, D = q.shape
     _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim for the sm90 backward: D={D} "
@@ -155,7 +160,7 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
     HKV = k.shape[1]
     _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
     _check_tensor(v, "v", code, (T, HKV, D), dev)
-    _check_tensor(do, "do", code, (T, HQ, D), dev)
+    _check_tensor(do, "do", do_code, (T, HQ, D), dev)
     if fp8:
         tpad = None
         qk = () if ds16 else ((q_t, "q_t", HQ), (k_t, "k_t", HKV))
@@ -164,7 +169,7 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
                 _need(t is None, name, "this variant's dK and dQ are BF16 on q, k (ds16): it takes no Q/K codes "
                       "or scales")
         for t, name, h in qk + ((do_t, "do_t", HQ),):
-            _check_tensor(t, name, code, (h, D, None), dev)
+            _check_tensor(t, name, do_code if name == "do_t" else code, (h, D, None), dev)
             _need(t.shape[2] >= T and t.shape[2] % 16 == 0, name,
                   f"T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
             tpad = t.shape[2] if tpad is None else tpad
@@ -192,6 +197,22 @@ def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
 def is_ds16_spec(args_spec: Sequence[dict]) -> bool:
     """An 8-bit backward whose dK, dQ are BF16 on the BF16 q, k (route fp8_pv): no Q/K codes in its ARGS."""
     return _is_fp8_spec(args_spec) and not any(a["name"] == "k_t" for a in args_spec)
+
+
+def is_do_e5m2_spec(args_spec: Sequence[dict]) -> bool:
+    """An FP8 backward whose dO codes are E5M2 (route fp8_tensor)."""
+    return any(a["name"] == "do" and a["dtype"] == "float8_e5m2" for a in args_spec)
+
+
+def is_ds_tensor_spec(args_spec: Sequence[dict]) -> bool:
+    """A backward with a tensor-scaled dS (route fp8_tensor): two launches, `amax_pass` 1 then 0, around a
+    zeroed `ds_amax` (the call's two dS fold maxima; see the template's amax_sweep)."""
+    return any(a["name"] == "ds_amax" for a in args_spec)
+
+
+def _as_e5m2(t: torch.Tensor) -> torch.Tensor:
+    """uint8 E5M2 codes viewed (no copy) as float8_e5m2, the dtype the kernel was compiled for."""
+    return t.view(torch.float8_e5m2) if t.dtype == torch.uint8 else t
 
 
 def is_scores_bf16_spec(args_spec: Sequence[dict]) -> bool:
@@ -250,10 +271,11 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
+    do5 = is_do_e5m2_spec(args_spec)
     T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                      do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                      do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"),
-                                     scores_bf16=sbf16, ds16=ds16)
+                                     scores_bf16=sbf16, ds16=ds16, do_e5m2=do5)
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem)
@@ -298,19 +320,27 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
     if fp8:
+        as_do = _as_e5m2 if do5 else _as_e4m3
         by_name.update(q=q if sbf16 else _as_e4m3(q), k=k if sbf16 else _as_e4m3(k), v=_as_e4m3(v),
-                       v_scale=v_scale, do=_as_e4m3(do), do_t=_as_e4m3(do_t), do_scale=do_scale)
+                       v_scale=v_scale, do=as_do(do), do_t=as_do(do_t), do_scale=do_scale)
         if not ds16:
             by_name.update(q_t=_as_e4m3(q_t), q_scale=q_scale, k_t=_as_e4m3(k_t), k_scale=k_scale)
     else:
         by_name.update(q=q, k=k, v=v, do=do)
+    two_pass = is_ds_tensor_spec(args_spec)
+    if two_pass:
+        # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
+        by_name.update(ds_amax=torch.zeros(2, dtype=torch.float32, device=dev), amax_pass=1)
     missing = [a["name"] for a in args_spec if a["name"] not in by_name]
     if missing:
         raise ValueError(f"args_spec: names arguments this wrapper does not know: {missing}")
     fn(*[by_name[a["name"]] for a in args_spec])
+    if two_pass:
+        by_name["amax_pass"] = 0
+        fn(*[by_name[a["name"]] for a in args_spec])
     # the dQ "convert kernel": the partials already carry softmax_scale and the dS scales
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-__all__ = ["is_ds16_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+__all__ = ["is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

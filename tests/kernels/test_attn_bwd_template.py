@@ -42,7 +42,7 @@ def _is_det(v) -> bool:
     return bool(dict(v.params).get("deterministic", False))  # only deterministic variants carry the key
 
 
-ROUTES = ("bf16", "fp8_token", "fp8_token_bf16qk", "fp8_pv")
+ROUTES = ("bf16", "fp8_tensor", "fp8_token", "fp8_token_bf16qk", "fp8_pv")
 
 
 def test_family_expands_to_eight_variants_per_head_dim(variants):
@@ -62,8 +62,10 @@ def test_render_deterministic_and_parses(variants):
         assert lit["PARAMS"]["kind"] == "attn_bwd" and lit["PARAMS"]["tile_m"] == 64 and lit["TILE_N"] == 128
         tail = ["lse", "delta", "cu_seqlens", "row_doc", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
         tail += ["softmax_scale", "dq_accum", "dk", "dv"]
+        if v.route == "fp8_tensor":  # tensor-scaled dS: two launches around the call's dS amax
+            tail += ["ds_amax", "amax_pass"]
         names = [x["name"] for x in lit["ARGS"]]
-        if v.route in ("fp8_token", "fp8_token_bf16qk"):  # (bf16qk: q, k BF16, the codes in q_t, k_t)
+        if v.route in ("fp8_tensor", "fp8_token", "fp8_token_bf16qk"):  # (bf16qk: q, k BF16, the codes in q_t, k_t)
             assert names == ["q", "q_t", "q_scale", "k", "k_t", "k_scale", "v", "v_scale", "do", "do_t",
                              "do_scale"] + tail
             assert lit["KEY_ALIGN"] == 16

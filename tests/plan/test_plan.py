@@ -200,7 +200,7 @@ def test_deterministic_backward_needs_a_persistent_scheduler():
     assert check_attn_bwd(Arch.sm90, 1, dict(p, scheduler="longest_first"))[0]
     plan = make_plan(load_specs(), arch="sm90", kinds=["attn_bwd"])
     det = [v.name for v in plan.variants if "_det" in v.name]
-    assert len(det) == 16 and all("longest_first" in n for n in det)  # 4 routes × causal × D = 64, 128
+    assert len(det) == 20 and all("longest_first" in n for n in det)  # 5 routes × causal × D = 64, 128
 
 
 def test_backward_smem_counts_the_dq_staging_tile():

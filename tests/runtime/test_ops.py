@@ -410,9 +410,10 @@ def _gpu_bundle(route):
     return b
 
 
-# fp8_token_bf16qk and fp8_pv: the BF16-score routes (first run on the H200 on 2026-12-01)
+# fp8_token_bf16qk and fp8_pv: the BF16-score routes (first run on the H200 on 2026-12-01); fp8_tensor: the
+# two-launch backward of a tensor-scaled dS (first run on the H200 on 2026-12-01, second session)
 GPU_CASES = [("fp8_token", True), ("fp8_token", False), ("bf16", True), ("fp8_token_bf16qk", True),
-             ("fp8_pv", True), ("fp8_pv", False)]
+             ("fp8_pv", True), ("fp8_pv", False), ("fp8_tensor", True)]
 
 
 def _gpu_inputs(grad=False, seed=0):
@@ -630,10 +631,12 @@ def test_gpu_token_block_forward_op_equals_the_verified_kernel_call(route, causa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv"])
+@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv", "fp8_tensor"])
 def test_gpu_head_dim_64_op_forward_and_backward(route):
     """D = 64 through the op (dispatch, quantizers, forward and backward kernels) vs exact fp32
-    attention and its gradients: 8-bit ≥ 0.998 (O) and ≥ 0.997 (dQ, dK, dV), BF16 ≥ 0.9999; no NaN."""
+    attention and its gradients: 8-bit ≥ 0.998 (O) and ≥ 0.997 (dQ, dK, dV), BF16 ≥ 0.9999; no NaN.
+    fp8_tensor's gradients ≥ 0.995: its E5M2 dS under one tensor-wide scale (2 mantissa bits) is the
+    route's own error (emulator vs fp32 0.996, tests/numerics/test_reference.py), not the kernel's."""
     from flamia_gen.numerics.metrics import cosine
     from flamia_gen.numerics.reference import attention as ref_attention
     from flamia_gen.numerics.reference import attention_backward
@@ -649,7 +652,7 @@ def test_gpu_head_dim_64_op_forward_and_backward(route):
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     ref = ref_attention(q.detach(), k.detach(), v.detach(), cu, True)
     rq, rk, rv = attention_backward(q.detach(), k.detach(), v.detach(), None, None, do, cu, True)
-    need_o, need_g = (0.9999, 0.9999) if route == "bf16" else (0.998, 0.997)
+    need_o, need_g = (0.9999, 0.9999) if route == "bf16" else (0.998, 0.995 if route == "fp8_tensor" else 0.997)
     assert o.shape == q.shape and not torch.isnan(o).any()
     assert cosine(o.float(), ref.float()) >= need_o
     for got, want in ((dq, rq), (dk, rk), (dv, rv)):
@@ -657,7 +660,7 @@ def test_gpu_head_dim_64_op_forward_and_backward(route):
         assert cosine(got.float(), want.float()) >= need_g
 
 
-@pytest.mark.parametrize("route", ["fp8_token", "fp8_token_bf16qk", "fp8_pv"])
+@pytest.mark.parametrize("route", ["fp8_token", "fp8_token_bf16qk", "fp8_pv", "fp8_tensor"])
 def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
     """backward_with on the rendered ARGS of each 8-bit backward mode (CPU: quantizer launches and the
     kernel call are recorded, not run): fp8_token quantizes Q, K, V and passes codes; fp8_token_bf16qk
@@ -692,7 +695,7 @@ def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
     b = SimpleNamespace(root="fake", get=lambda name: (lambda *a: None))
     ops_mod.backward_with(b, entry, do, q, k, v_, q, torch.zeros(HQ, T), cu, None)
     pos, kw = called["a"], called["kw"]
-    if route == "fp8_token":
+    if route in ("fp8_token", "fp8_tensor"):
         assert launched == ["q", "k", "v", "do"] and pos[0].dtype == torch.uint8
         assert {"q_t", "k_t", "q_scale", "k_scale"} <= set(kw)
     elif route == "fp8_token_bf16qk":

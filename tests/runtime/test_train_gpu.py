@@ -57,7 +57,7 @@ def _loss(q, k, v, cu, m, causal, route):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv"])
+@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv", "fp8_tensor"])
 def test_gpu_train_step_compile_fullgraph(route):
     causal = True
     _need_bwd(route, causal)
