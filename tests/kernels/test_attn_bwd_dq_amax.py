@@ -198,10 +198,14 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    assert len(names) == len(set(names)) == 8 + 4 * 4  # 4 fp8 backward variants × 4 trims
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × dqtma
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
-        if tag:
+        if tag == "dqtma":
+            assert "deterministic" not in dict(v.params) and dict(v.params)["bwd_dq_tma"] is True
+            assert '"bwd_dq_tma": True' in _render(v)
+        elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render(v)
             if tag == "notrim":
@@ -256,9 +260,13 @@ def test_bwd_experiments_trim_the_tiles_with_a_ds_amax():
 
     bwd, _ = bx.base_variants(candidates=["fp8_token_bf16qk", "fp8_pv"])
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
-    assert {v.route for t, v in tagged if t} == {"fp8_token", "fp8_token_bf16qk"}
+    trims = [v for t, v in tagged if t and t != "dqtma"]
+    assert {v.route for v in trims} == {"fp8_token", "fp8_token_bf16qk"}
     assert len([v for t, v in tagged if not t]) == 8 + 4 + 4
-    assert len([v for t, v in tagged if t]) == 2 * 4 * len(bx.EXPERIMENTS)
+    assert len(trims) == 2 * 4 * (len(bx.EXPERIMENTS) - 1)
+    # dqtma: every non-deterministic variant (the dQ bulk path), whatever the route
+    assert {v.route for t, v in tagged if t == "dqtma"} == {"fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv"}
+    assert len([v for t, v in tagged if t == "dqtma"]) == 4 * 2
 
 
 def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
