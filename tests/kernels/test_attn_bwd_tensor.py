@@ -86,16 +86,10 @@ def test_kernel_e5m2_exponent_rule_matches_the_quantizer_contract(amax):
         assert kernel == int(e[0])
 
 
-def _inputs(T=40, HQ=4, HKV=2, D=128):
-    tpad = -(-T // 16) * 16
-    u8 = torch.uint8
-    return dict(q=torch.zeros(T, HQ, D, dtype=u8), k=torch.zeros(T, HKV, D, dtype=u8),
-                v=torch.zeros(T, HKV, D, dtype=u8), do=torch.zeros(T, HQ, D, dtype=u8),
-                lse=torch.zeros(HQ, T), delta=torch.zeros(HQ, T),
-                q_t=torch.zeros(HQ, D, tpad, dtype=u8), k_t=torch.zeros(HKV, D, tpad, dtype=u8),
-                do_t=torch.zeros(HQ, D, tpad, dtype=u8), q_scale=torch.zeros(T, HQ, dtype=u8),
-                k_scale=torch.zeros(T, HKV, dtype=u8), v_scale=torch.zeros(T, HKV, dtype=u8),
-                do_scale=torch.zeros(T, HQ, dtype=u8), cu_seqlens=torch.tensor([0, 10, T], dtype=torch.int32))
+def _inputs():
+    from tests.kernels.test_attn_bwd_template import _fp8_inputs
+
+    return _fp8_inputs()  # uint8 codes and scales, T = 40, HQ = 4, HKV = 2, D = 128
 
 
 def test_check_inputs_takes_e5m2_do_only_when_asked():
