@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import sys
 
-from .fwd_experiments import (_wl_keys, build_variants_bundle, experiment_cli, experiment_table, experiment_variants,
-                              print_experiments, run_entries, run_exit_code, select_entries, split_name,  # noqa: F401
-                              split_tags)
+from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, build_variants_bundle, experiment_cli, experiment_table,
+                              experiment_variants, print_experiments, run_entries, run_exit_code,  # noqa: F401
+                              select_entries, split_name, split_tags)
 
 # the FP8 tile with a dS amax (fp8_token, fp8_token_bf16qk: the template's qk8), where bwd_alu_trim applies
 _qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa: E731
@@ -138,7 +138,7 @@ def time_entry(b, entry, doc_lens, heads=16, iters=20) -> float:
 
 
 def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True, iters=20, json_out=None,
-        causal_only=False) -> list[dict]:
+        causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
     from ..bench.flops import attention_flops
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import verify_bwd_entry
@@ -160,7 +160,7 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
             row[f"{len(docs)}x{docs[0]}_tflops"] = fl / (ms * 1e-3) / 1e12
 
     return run_entries(select_entries(b, "attn_bwd", only, causal_only, EXPERIMENTS), measure, _fmt_row, table,
-                       workloads, json_out, EXPERIMENTS)
+                       workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout)
 
 
 def _fmt_row(row, workloads) -> str:
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         m = build(a.out, split_tags(a.only), jobs=a.jobs, candidates=split_tags(a.candidates))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
-               causal_only=a.causal_only)
+               causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)
     return run_exit_code(rows)
 
 

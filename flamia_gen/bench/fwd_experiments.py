@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -115,18 +117,37 @@ def select_entries(b, kind: str, only, causal_only: bool, experiments=None) -> l
     return [e for e in entries if e["params"]["causal"]] if causal_only else entries
 
 
-def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experiments=None) -> list[dict]:
+ENTRY_TIMEOUT_S = 120.0  # one variant's verify + timing takes ~5-20 s on the H200; a hung kernel never returns
+HUNG_EXIT_CODE = 3
+
+
+def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experiments=None,
+                entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
     """One row per entry: `measure(entry, base_name, tag, row)` fills it; an exception becomes the row's
     `error` (one broken experiment must not stop the table) and a lost CUDA context stops the run; each
-    row is printed as it comes, then the table (and the JSON)."""
+    row is printed as it comes, then the table (and the JSON).
+
+    An entry still running after `entry_timeout` seconds is a hung kernel (a launch that never completes
+    cannot be cancelled from the host): a watchdog gives it an `error` row, prints the table and writes the
+    JSON of every row so far, and ends the process with exit code HUNG_EXIT_CODE, so a hang costs one
+    timeout of device time instead of the caller's whole limit (a GPU session lost 7 minutes so, 2026-12-01)."""
     rows, t_start = [], time.perf_counter()
     for e in entries:
         base, tag = split_name(e["name"], experiments)
         row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
+        watchdog = None
+        if entry_timeout:
+            watchdog = threading.Timer(entry_timeout, _abandon_hung_run,
+                                       (rows, row, entry_timeout, fmt_row, table_fn, workloads, json_out))
+            watchdog.daemon = True
+            watchdog.start()
         try:
             measure(e, base, tag, row)
         except Exception as ex:  # noqa: BLE001
             row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         rows.append(row)
         print(fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
         if "error" in row and cuda_context_lost(e, tag):
@@ -135,7 +156,7 @@ def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experi
 
 
 def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True, probe=True, iters=20,
-        json_out=None, causal_only=False) -> list[dict]:
+        json_out=None, causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
     """GPU host: verify and time every attn_fwd variant of the bundle; print one table."""
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import time_attn_entry, verify_attn_entry
@@ -155,7 +176,17 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             row[f"{len(docs)}x{docs[0]}"] = t["tflops"]
 
     return run_entries(select_entries(b, "attn_fwd", only, causal_only), measure, _fmt_row, table, workloads,
-                       json_out)
+                       json_out, entry_timeout=entry_timeout)
+
+
+def _abandon_hung_run(rows, row, timeout, fmt_row, table_fn, workloads, json_out) -> None:
+    """The watchdog of `run_entries`: the entry has run past its timeout; keep what was measured and exit."""
+    row["error"] = f"timeout: still running after {timeout:.0f} s (a hung kernel?); the run stops here"
+    done = rows + [row]
+    print(fmt_row(row, workloads), flush=True)
+    finish(done, table_fn(done, workloads), json_out)
+    sys.stdout.flush()
+    os._exit(HUNG_EXIT_CODE)
 
 
 def cuda_context_lost(entry: dict, tag: str) -> bool:
@@ -242,6 +273,8 @@ def experiment_cli(prog: str, doc: str, default_out: str, default_flags, run_hel
     rp.add_argument("--causal-only", action="store_true")
     rp.add_argument("--iters", type=int, default=20)
     rp.add_argument("--json", default=None)
+    rp.add_argument("--entry-timeout", type=float, default=ENTRY_TIMEOUT_S,
+                    help="seconds one variant may take before the run is abandoned as hung (exit 3; 0: no limit)")
     sub.add_parser("list", help="print the experiments")
     return ap, bp, rp
 
@@ -273,7 +306,7 @@ def main(argv=None) -> int:
         m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs)
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
-               iters=a.iters, json_out=a.json, causal_only=a.causal_only)
+               iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)
     return run_exit_code(rows)
 
 

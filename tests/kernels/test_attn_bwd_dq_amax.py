@@ -292,3 +292,51 @@ def test_experiment_runs_share_one_loop(monkeypatch, tmp_path, capsys):
     assert rows[1]["tag"] == "trim1" and "error" in rows[2] and "error" in rows[3]  # d never ran
     assert json.loads((tmp_path / "r.json").read_text()) == rows
     assert "2.000 (0.500×)" in capsys.readouterr().out
+
+
+def test_experiment_run_abandons_a_hung_entry(tmp_path):
+    """run_entries' watchdog: an entry past its timeout (a kernel that never completes) gets an error row,
+    the rows so far go to the JSON, and the process exits with HUNG_EXIT_CODE at once instead of hanging."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from flamia_gen.bench.fwd_experiments import HUNG_EXIT_CODE
+
+    out = tmp_path / "r.json"
+    code = f"""
+import time
+from flamia_gen.bench import bwd_experiments as bx
+from flamia_gen.bench import fwd_experiments as fx
+entries = [{{"name": n, "params": {{"causal": True}}}} for n in ("attn_bwd_sm90_a", "attn_bwd_sm90_b", "attn_bwd_sm90_c")]
+def measure(e, base, tag, row):
+    if e["name"].endswith("_b"):
+        time.sleep(60)  # the hung kernel
+    row.update(ok=True, cos_emu=1.0, cos_fp32=1.0, **{{"4x4096": 2.0}})
+fx.run_entries(entries, measure, bx._fmt_row, bx.table, ((4096,) * 4,), {str(out)!r}, bx.EXPERIMENTS, entry_timeout=1.0)
+print("not reached")
+"""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert time.perf_counter() - t0 < 30
+    assert r.returncode == HUNG_EXIT_CODE, r.stderr[-2000:]
+    assert "not reached" not in r.stdout and "timeout: still running after 1 s" in r.stdout
+    rows = json.loads(out.read_text())
+    assert [x["variant"] for x in rows] == ["attn_bwd_sm90_a", "attn_bwd_sm90_b"]  # c never ran
+    assert "error" not in rows[0] and rows[1]["error"].startswith("timeout")
+
+
+def test_experiment_run_cancels_the_watchdog_of_finished_entries(tmp_path):
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench import fwd_experiments as fx
+
+    entries = [{"name": "attn_bwd_sm90_a", "params": {"causal": True}}]
+    rows = fx.run_entries(entries, lambda e, b, t, row: row.update(ok=True, cos_emu=1.0, cos_fp32=1.0), bx._fmt_row,
+                          bx.table, ((4096,) * 4,), None, bx.EXPERIMENTS, entry_timeout=0.2)
+    import time
+
+    time.sleep(0.5)  # a watchdog left running would end this process here
+    assert rows[0]["variant"] == "attn_bwd_sm90_a" and "error" not in rows[0]
