@@ -39,8 +39,8 @@ EXPERIMENTS: dict[str, dict] = {
     **{f"trim{cg}": dict(over={"bwd_alu_trim": True, "bwd_dq_amax_cg": cg}, when=_qk8,
                          note=f"ALU trim, dQ amax {'per-column butterflies' if cg == 0 else f'reduce-scatter, {2 * cg} columns a batch'}")
        for cg in (0, 1, 4)},
-    # bwd_dq_tma (2026-12-01, eighth session): the dQ partial added by one TMA tensor reduce of the whole tile (one
-    # thread) instead of one bulk reduce-add per row (threads < tile_m); non-deterministic variants (dq_bulk)
+    # bwd_dq_tma (2026-12-01, eighth session): the dQ partial added by one TMA tensor reduce of the whole tile (issued
+    # by the first consumer warp) instead of one bulk reduce-add per row (threads < tile_m); non-deterministic variants
     "dqtma": dict(over={"bwd_dq_tma": True}, when=lambda p: not p.get("deterministic"),
                   note="dQ partial: one TMA tensor reduce-add per tile"),
 }

@@ -71,14 +71,18 @@ def test_render_has_the_sweep_and_no_running_ds_references(variants):
 
 @pytest.mark.parametrize("amax", [0.0, 1e-30, 3.0, 57344.0, 57345.0, 1.75 * 2.0 ** 20, 1.7500001 * 2.0 ** 20,
                                   2.0 ** -126, 6e37, 2.0 ** 127 * 1.9])
-def test_kernel_e5m2_exponent_rule_matches_the_quantizer_contract(amax):
-    """ds_exponent_e5m2 (the template's bit formula, run here on ints) = pow2_exponent(E5M2, ceil)."""
+def test_kernel_e5m2_exponent_rule_matches_the_quantizer_contract(variants, amax):
+    """ds_exponent_e5m2 as rendered (the kernel's own function, run here on Python ints) = pow2_exponent(E5M2,
+    ceil)."""
     import struct
+    from types import SimpleNamespace
 
-    b = struct.unpack("<I", struct.pack("<f", amax))[0]
-    be = (b >> 23) & 255
-    up = ((b & 0x7FFFFF) + 0x1FFFFF) >> 23
-    kernel = min(max(be - 142 + up, -127), 127)
+    src = render_variant(_tensor_variant(variants))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "ds_exponent_e5m2")
+    ns = dict(f32_bits=lambda x: struct.unpack("<I", struct.pack("<f", x))[0], Int32=int,
+              Uint32=lambda x: x & 0xFFFFFFFF, cutlass=SimpleNamespace(min=min, max=max))
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "ds_exponent_e5m2", "exec"), ns)
+    kernel = ns["ds_exponent_e5m2"](amax)
     e, _, _ = pow2_exponent(torch.tensor([amax], dtype=torch.float32), Format.e5m2, ExponentRule.ceil)
     if amax < 2.0 ** -126:  # subnormal amax: the kernel flushes to −127 (E5M2 codes of such a group are 0)
         assert kernel == -127
