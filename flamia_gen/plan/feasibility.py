@@ -102,7 +102,7 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
 
 
 def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
-    """Backward (key tile outer): K and V (and, FP8, Kᵀ) once per unit; per stage Q and dO (FP8:
+    """Backward (key tile outer): K and V (and, FP8, Kᵀ; diag_v: per-token V) once per unit; per stage Q and dO (FP8:
     also their K-major copies Qᵀ, dOᵀ; scores_bf16: K and Q in BF16); dS double-buffered for dQ = dS·K; row factors, amax; the
     fp32 dQ staging tile of the bulk reduce-add (rows of D + 8 words; non-deterministic variants)."""
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
@@ -117,6 +117,10 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
             per_stage -= m * d
             ds *= 2
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
+    if elem_bytes == 1 and params.get("diag_v"):  # the per-token V tile and dp_diag_v's fp32 stash (8 per thread)
+        kv += n * d + 8 * 4 * 64 * params["compute_warpgroups"] * 2
+    if elem_bytes == 1 and params.get("ds_gran") == "square_32":  # dK block maxima, one word per consumer warp
+        kv += 4 * 8 * params["compute_warpgroups"]
     return kv + st * per_stage + ds + 2 * 4 * m + dq + 1024 + (128 if dq else 0)
 
 

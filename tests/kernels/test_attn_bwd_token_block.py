@@ -1,0 +1,144 @@
+"""The token-block backward on sm90 (route mxfp8): square_32 dS (modes `sq32`) and the forward's per-token V on its
+diagonal tiles (`dgv`), templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "The token-block backward".
+
+specs/kernels/attn_bwd_sm90.yaml does not list mxfp8 until its kernels verify on a GPU: the variants come from the
+family with its routes replaced. CPU only, except the `compile` tests.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import jinja2
+import pytest
+
+from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
+from flamia_gen.plan.variants import expand_family
+from flamia_gen.render.render import render_variant
+from flamia_gen.spec import Arch, load_specs
+
+from test_attn_bwd_template import _render_with
+from test_attn_fwd_template import _literals
+
+ROUTE = "mxfp8"
+
+
+def _variants(route):
+    specs = load_specs()
+    fam = specs.families["attn_bwd_sm90"]
+    return expand_family(fam.model_copy(update={"routes": [route]}), specs).variants
+
+
+VARIANTS = _variants(ROUTE)
+
+
+def _pick(causal=True, det=False, d=128):
+    return next(v for v in VARIANTS if v.param("head_dim") == d and v.param("causal") == causal
+                and bool(dict(v.params).get("deterministic")) == det)
+
+
+def test_variants_fit_and_carry_the_forward_pairing():
+    assert len(VARIANTS) == 8
+    for v in VARIANTS:
+        p = dict(v.params)
+        assert p["ds_gran"] == "square_32" and p["v_gran"] == "token_block"
+        assert p["diag_v"] is p["causal"]  # the forward's diagonal safeguard exists only under a causal mask
+        smem = attn_bwd_smem_bytes(p, 1)
+        plain = attn_bwd_smem_bytes(dict(p, diag_v=False, ds_gran="token"), 1)
+        extra = (128 * p["head_dim"] + 8 * 4 * 256 if p["causal"] else 0) + 64
+        assert smem == plain + extra and smem <= SMEM_LIMIT[Arch.sm90]
+
+
+def test_render_causal_takes_the_diagonal_copy_and_the_forward_tile():
+    lit = _literals(render_variant(_pick()))
+    names = [a["name"] for a in lit["ARGS"]]
+    assert names[-3:] == ["v_diag", "v_diag_scale", "fwd_tile_m"]
+    dt = {a["name"]: a["dtype"] for a in lit["ARGS"]}
+    assert dt["v_diag"] == "float8_e4m3fn" and dt["v_diag_scale"] == "uint8" and dt["fwd_tile_m"] == "int32"
+    assert lit["PARAMS"]["diag_v"] is True and lit["PARAMS"]["fwd_tile_n"] == lit["PARAMS"]["tile_n"] == 128
+    nc = _literals(render_variant(_pick(causal=False)))
+    assert "v_diag" not in [a["name"] for a in nc["ARGS"]] and "diag_v" not in nc["PARAMS"]
+
+
+def test_render_square_32_blocks():
+    src = render_variant(_pick())
+    body = src[src.index("    def one_tile("):]
+    # dK: one exponent per two warps' key rows, swapped through shared memory behind a 64-thread barrier
+    assert "cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)" in body
+    assert "blk = fmax_nan(blk, sBlk[warp ^ 1])" in body and "e = e_blk" in body
+    # dQ: the row's 32-row block: column keys of the block, quad max, per-row select
+    assert "bk[cg // 4] = cutlass.max(bk[cg // 4], Int32(amk[cp]))" in body
+    assert "kb = cutlass.select_(tdQcdQ[2 * rh][0] >= 32, bk[1], bk[0])" in body
+    # fp8_token keeps its per-key and per-row exponents
+    tok = render_variant(next(v for v in _variants("fp8_token") if v.name == _pick().name.replace(ROUTE, "fp8_token")))
+    assert "SQ32_BARRIER0" not in tok and "e = ds_exponent(quad_max_nan(mx[rh]))" in tok
+
+
+def _diag_v_mode(src: str):
+    """The rendered kernel's diag_v_mode, run on Python ints."""
+    tree = ast.parse(src)
+    lit = _literals(src)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "diag_v_mode")
+    ns = dict(TILE_M=lit["PARAMS"]["tile_m"], TILE_N=lit["PARAMS"]["tile_n"],
+              cutlass=type("C", (), {"min": staticmethod(min), "max": staticmethod(max)}))
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "diag_v_mode", "exec"), ns)
+    return ns["diag_v_mode"]
+
+
+@pytest.mark.parametrize("fwd_tile_m", [128, 192])
+def test_diag_v_mode_is_the_forwards_diagonal_rule(fwd_tile_m):
+    """Per backward tile (64 query columns from doc-local m·64 − δ, keys n·128 − δ …), the mode says which columns
+    the forward computed with per-token V: numerics.reference_route.geometry's rule (forward query tiles of
+    fwd_tile_m rows from the document start, key tiles of 128 from doc_start − δ), pair by pair."""
+    mode_of = _diag_v_mode(render_variant(_pick()))
+    modes = set()
+    for delta in (0, 1, 5, 15):
+        for m in range(12):
+            for n in range(7):
+                mode = mode_of(n, m, delta, fwd_tile_m)
+                modes.add(mode)
+                for c in range(64):
+                    q = m * 64 - delta + c
+                    if q < 0:
+                        continue  # the previous document's rows: masked
+                    diag = n >= ((q // fwd_tile_m) * fwd_tile_m + delta) // 128
+                    kernel = mode == 2 or (mode == 1 and c < delta)
+                    assert kernel == diag, (delta, m, n, c, mode)
+    assert modes == {0, 1, 2}
+
+
+def test_guards():
+    v = _pick()
+    with pytest.raises(jinja2.UndefinedError, match="diag_v_backward_is_built_for"):
+        _render_with(v, ds_gran="token")
+    with pytest.raises(jinja2.UndefinedError, match="no_per_key_K_or_per_token_Q_rows_yet"):
+        _render_with(v, diag_k=True)
+    with pytest.raises(jinja2.UndefinedError, match="square_32_ds_needs_bwd_alu_trim"):
+        _render_with(v, bwd_alu_trim=False)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [True, False])
+def test_compile(compile_sm90, tmp_path, causal):
+    """Cross-compiles for sm_90a; with the toolkit's ptxas (when this host has one): no wgmma serialisation (C7511
+    registers, C7512, C7515 a branch merging accumulator registers: the first dp_diag_v had it)."""
+    import shutil
+    import subprocess
+
+    v = _pick(causal=causal)
+    ptx = compile_sm90(v)
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    import re
+
+    # the dK block exponent's 64-thread barrier (id 3 + warp // 2, a register) exists only with square_32 dS
+    assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas on this host")
+    (tmp_path / "k.ptx").write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for code in ("C7511", "C7512", "C7515"):
+        assert code not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
