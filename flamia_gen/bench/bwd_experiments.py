@@ -64,8 +64,10 @@ def with_candidates(specs, candidates=()):
 
 def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
     """(backward variants, what their op path needs: forward and quantizer variants) of the routes at
-    `head_dim` — one forward variant per causality is enough (backward_setup takes any). `candidates`:
-    routes the families do not list yet (`with_candidates`), built and tested like the others."""
+    `head_dim` — one forward variant per causality is enough (backward_setup takes any), plus, for a `diag_v`
+    backward (route diagonal per_key_v), one of tile_n == its fwd_tile_n (the only forwards it pairs
+    with: verify.attn_gpu.forward_entry_for). `candidates`: routes the families do not list yet
+    (`with_candidates`), built and tested like the others."""
     from ..plan import make_plan
     from ..spec import KernelKind, load_specs
 
@@ -81,6 +83,18 @@ def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
         if key not in seen:
             seen.add(key)
             fwd.append(v)
+    # diag_v backwards: a forward of their fwd_tile_n (the first one per causality may have another tile_n); the
+    # plan's params lack the template's fwd_tile_n, which it renders as the backward's tile_n
+    # (runtime.attn_bwd.fwd_tile_n_of; not imported here: this module stays torch-free until `run`)
+    for b in bwd:
+        bp = dict(b.params)
+        if not bp.get("diag_v"):
+            continue
+        pair = lambda v: (v.kind == KernelKind.attn_fwd and v.route == b.route  # noqa: E731
+                          and v.param("causal") == bp["causal"]
+                          and dict(v.params).get("tile_n") == bp.get("fwd_tile_n", bp["tile_n"]))
+        if not any(pair(v) for v in fwd):
+            fwd += [v for v in at_d if pair(v)][:1]
     quant = [v for v in at_d if v.kind == KernelKind.quant]
     return bwd, fwd + quant
 
@@ -109,9 +123,10 @@ def compare_bitwise(b, entry, ref_entry, doc_lens=(1000, 3000, 77, 1), heads=4, 
     from ..verify.attn_gpu import backward_setup
 
     q, k, v, do, cu = _inputs(entry, doc_lens, heads, seed)
-    o, lse, prof = backward_setup(b, ref_entry, q, k, v, cu)
-    got = backward_with(b, entry, do, q, k, v, o, lse, cu, prof, poison=True)[:3]
-    ref = backward_with(b, ref_entry, do, q, k, v, o, lse, cu, prof, poison=True)[:3]
+    o, lse, prof, fwd = backward_setup(b, ref_entry, q, k, v, cu, with_forward=True)
+    # both with the forward that made O, LSE (a diag_v backward repeats its diagonal decisions)
+    got = backward_with(b, entry, do, q, k, v, o, lse, cu, prof, poison=True, fwd_params=fwd["params"])[:3]
+    ref = backward_with(b, ref_entry, do, q, k, v, o, lse, cu, prof, poison=True, fwd_params=fwd["params"])[:3]
     out = {f"{n}_bitwise": bool(torch_equal(x, y)) for n, x, y in zip(("dq", "dk", "dv"), got, ref)}
     out["dq_max_abs_diff"] = float((got[0].float() - ref[0].float()).abs().max())
     return out

@@ -51,8 +51,9 @@ def main(argv=None) -> int:
         from ..runtime.ops import backward_with
 
         do = torch.randn(q.shape, generator=g).to(torch.bfloat16).cuda()
-        o, lse, prof = backward_setup(b, entry, q, k, v, cu)
-        call = lambda: backward_with(b, entry, do, q, k, v, o, lse, cu, prof)  # noqa: E731
+        o, lse, prof, fwd = backward_setup(b, entry, q, k, v, cu, with_forward=True)
+        # with the forward that made O, LSE (a diag_v backward repeats its diagonal decisions)
+        call = lambda: backward_with(b, entry, do, q, k, v, o, lse, cu, prof, fwd_params=fwd["params"])  # noqa: E731
     for _ in range(a.calls):
         call()
     torch.cuda.synchronize()

@@ -4,7 +4,8 @@ numerics of a route, forward and backward (DESIGN.md §1, §4; docs/numerics.md)
     attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
               dtype=torch.float32, return_lse=False, scale=None, key_align=1, mma="exact")
     attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *,
-                       tile_m=128, tile_n=128, scale=None) -> (dq, dk, dv)
+                       tile_m=128, tile_n=128, scale=None, mma="exact", key_align=1,
+                       fwd_tile_m=None, fwd_tile_n=None) -> (dq, dk, dv)
 
 Both are differentiable / explicit respectively; `attention(..., route=R)` is an autograd
 function whose backward is `attention_backward(..., route=R)`.
@@ -75,7 +76,7 @@ def attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_
 
 
 def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
-                       scale=None, mma="exact", key_align=1):
+                       scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None):
     """(dQ, dK, dV) fp32 of `attention` for output gradient `do`.
 
     route=None: gradients of the exact fp32 attention (autograd of the exact forward; `o`, `lse`
@@ -83,12 +84,15 @@ def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None,
     scores from the forward's quantized operands and diagonal decisions, takes `o` and `lse`
     as given (D = rowsum(dÔ∘O) uses them) and processes documents in query chunks. `mma`: the
     tensor-core model of the recomputed scores ("exact" or "sm90_fp8", numerics.mma). `tile_m`,
-    `tile_n`, `key_align`: the forward kernel's tiling (its diagonal decisions are repeated).
+    `tile_n`, `key_align`: the forward kernel's tiling (its diagonal decisions are repeated), or under
+    "sm90_fp8" the backward kernel's, the forward's tiles then `fwd_tile_m`, `fwd_tile_n` (default:
+    the same).
     """
     r = resolve_route(route)
     if r is not None:
         return route_backward(r, q, k, v, o, lse, do, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n,
-                              scale=scale, mma=mma, key_align=key_align)
+                              scale=scale, mma=mma, key_align=key_align, fwd_tile_m=fwd_tile_m,
+                              fwd_tile_n=fwd_tile_n)
     with torch.enable_grad():
         leaves = [t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v)]
         out = exact_attention(*leaves, cu_seqlens, causal, scale=scale)

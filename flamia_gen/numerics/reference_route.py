@@ -100,13 +100,15 @@ def quant_p(p: torch.Tensor, spec: OperandQuant) -> torch.Tensor:
     return quant_with_exponent(p, e, spec.format)
 
 
-def group_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """|x| max over (rows × cols) groups of the last two dims, aligned at 0, expanded back."""
+def group_amax(x: torch.Tensor, rows: int, cols: int, row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """|x| max over (rows × cols) groups of the last two dims, expanded back. Groups are aligned on a
+    grid in which x[…, 0, 0] sits at (row0, col0): group edges at grid coordinates ≡ 0 (mod rows, cols)."""
     H, R, C = x.shape
-    pr, pc = (-R) % rows, (-C) % cols
-    a = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
-    a = a.view(H, (R + pr) // rows, rows, (C + pc) // cols, cols).amax(dim=(2, 4))
-    return a.repeat_interleave(rows, 1).repeat_interleave(cols, 2)[:, :R, :C]
+    fr, fc = row0 % rows, col0 % cols
+    pr, pc = (-(R + fr)) % rows, (-(C + fc)) % cols
+    a = torch.nn.functional.pad(x.abs(), (fc, pc, fr, pr))
+    a = a.view(H, (fr + R + pr) // rows, rows, (fc + C + pc) // cols, cols).amax(dim=(2, 4))
+    return a.repeat_interleave(rows, 1).repeat_interleave(cols, 2)[:, fr:fr + R, fc:fc + C]
 
 
 # ---- representations of the input operands
@@ -188,6 +190,12 @@ class Plan:
     exp_poly_quarters: int = 0  # route exp_approx: columns whose exp2 is the FMA polynomial (numerics.exp2)
     scores_bf16: bool = False  # route scores_bf16: QKᵀ on the BF16 inputs (q, k codes serve dK, dQ only)
     p_exact: bool = False  # route p_reference exact: P̂ under the running fp32 max, not its integer ceil
+    fwd_tile_m: int = 0  # the forward kernel's tiles, whose diagonal decisions the backward repeats
+    fwd_tile_n: int = 0  # (0: tile_m / tile_n; they differ when tile_m, tile_n are a backward kernel's)
+
+    @property
+    def fwd_tiles(self) -> tuple[int, int]:
+        return self.fwd_tile_m or self.tile_m, self.fwd_tile_n or self.tile_n
 
 
 def _needs_32(route: Route) -> bool:
@@ -206,12 +214,16 @@ def _fp8_format(spec: OperandQuant) -> bool:
 
 
 def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
-              key_align: int = 1, mma: str = "exact") -> Plan:
-    if tile_m <= 0 or tile_n <= 0:
-        raise ValueError(f"tile_m and tile_n must be positive, got {tile_m}, {tile_n}")
-    if _needs_32(route) and (tile_m % 32 or tile_n % 32):
-        raise ValueError(f"route {route.name!r} has 32-token blocks: tile_m and tile_n must be multiples "
-                         f"of 32 (got {tile_m}, {tile_n}); a block straddling a tile edge would leak")
+              key_align: int = 1, mma: str = "exact", *, fwd_tile_m: int | None = None,
+              fwd_tile_n: int | None = None) -> Plan:
+    for name, tm, tn in (("tile", tile_m, tile_n),
+                         ("fwd_tile", tile_m if fwd_tile_m is None else fwd_tile_m,
+                          tile_n if fwd_tile_n is None else fwd_tile_n)):
+        if tm <= 0 or tn <= 0:
+            raise ValueError(f"{name}_m and {name}_n must be positive, got {tm}, {tn}")
+        if _needs_32(route) and (tm % 32 or tn % 32):
+            raise ValueError(f"route {route.name!r} has 32-token blocks: {name}_m and {name}_n must be multiples "
+                             f"of 32 (got {tm}, {tn}); a block straddling a tile edge would leak")
     if key_align <= 0 or key_align > tile_n:
         raise ValueError(f"key_align must be in [1, tile_n={tile_n}], got {key_align}")
     ops = route.operands
@@ -233,7 +245,8 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)),
         mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)),
         exp_poly_quarters=poly_quarters(route.exp_approx.value),
-        scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact)
+        scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact,
+        fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0)
 
 
 @dataclass(frozen=True)
@@ -294,17 +307,19 @@ class Geometry:
 
 
 def geometry(plan: Plan, a: int, b: int, n: int, length: int, device, delta: int = 0) -> Geometry:
-    """Diagonal tiles are the forward kernel's masked key tiles: with key tiles starting `delta`
-    keys before the document (key tile of key j: (j + delta) // tile_n), those from the tile
-    holding the query tile's first row on (`n_mask` of the template's `key_tiling`). Every key
+    """Diagonal tiles are the forward kernel's masked key tiles, on the forward's tiles (`plan.fwd_tiles`
+    FTM, FTN; the backward kernel's may differ): with query tiles from the document start and key
+    tiles starting `delta` keys before it (key tile of key j: (j + delta) // FTN), those from the
+    tile holding the query tile's first row on (`n_mask` of the template's `key_tiling`). Every key
     a 32-token block could share with a later position of a query tile lies in them."""
     vis = visible_mask(a, b - a, n, plan.causal, device)
     diag = None
     if plan.causal and (plan.per_key_k or plan.per_key_v):
+        ftm, ftn = plan.fwd_tiles
         i = torch.arange(a, b, device=device)[:, None]
         j = torch.arange(n, device=device)[None, :]
-        first_row = (i // plan.tile_m) * plan.tile_m
-        diag = (j + delta) // plan.tile_n >= (first_row + delta) // plan.tile_n
+        first_row = (i // ftm) * ftm
+        diag = (j + delta) // ftn >= (first_row + delta) // ftn
     return Geometry(vis, ~vis.any(dim=-1), diag)
 
 
@@ -580,16 +595,22 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
-                   scale=None, mma="exact", key_align=1):
+                   scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None):
     """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `tile_m`, `tile_n`, `key_align`: the
-    *forward's* tiling, whose diagonal decisions the backward repeats. `mma="sm90_fp8"`: every product
+    backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
+    `tile_n`): the *forward's* tiles, whose diagonal decisions the backward repeats (its key tiles
+    start at doc_start − δ as well, δ = doc_start mod key_align). `mma="sm90_fp8"`: every product
     whose operands are FP8 codes (QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) under the FP8 tensor-core model, as
-    the sm90 backward kernel forms them (`_backward_pass_mma`); the same `tile_m`, `tile_n`, `key_align`
-    are then also the backward kernel's tiles (sm90 FP8: 64, 128, 16; routes with diagonal decisions
-    have no backward kernel yet, one tiling serves both). Routes without FP8 products (bf16) give the
-    exact result."""
+    the sm90 backward kernel forms them (`_backward_pass_mma`) on its tiles `tile_m`, `tile_n`,
+    `key_align` (sm90 FP8: 64, 128, 16). Routes without FP8 products (bf16) give the exact result."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align)
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align,
+                     fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n)
+    model = plan.mma_dv or plan.mma_dk or plan.mma_dq
+    if model and plan.per_key_k and plan.fwd_tiles[1] != tile_n:
+        # the model takes the K copy of dS·K per (row, key tile): one choice per tile only when the tiles agree
+        raise ValueError(f"route {route.name!r} (k_fold) under mma='sm90_fp8' needs fwd_tile_n == tile_n "
+                         f"(got {plan.fwd_tiles[1]}, {tile_n}): a backward key tile would hold both K copies")
     bo = prepare_backward(plan, q, k, v, do, cu_seqlens)
     o32 = o.to(torch.float32)
     lse2 = lse.to(torch.float32) * LOG2E
@@ -597,7 +618,7 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
     ds = route.operands.ds
     if ds.quantized and ds.granularity is Granularity.tensor:
         tensor_amax = _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, None, amax_only=True)
-    if plan.mma_dv or plan.mma_dk or plan.mma_dq:
+    if model:
         return _backward_pass_mma(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
     return _backward_pass(plan, bo, o32, lse2, cu_seqlens, group, tensor_amax)
 
@@ -657,21 +678,22 @@ def _pow2i(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e <= -127, torch.zeros_like(e), torch.exp2(e.clamp(max=127.0)))
 
 
-def _ds_exponents(plan: Plan, y: torch.Tensor, for_dq: bool, tensor_amax, row0: int) -> torch.Tensor:
+def _ds_exponents(plan: Plan, y: torch.Tensor, for_dq: bool, tensor_amax, row0: int, key0: int) -> torch.Tensor:
     """Per-element scale exponent (H, M, N) of the route's dS groups for the dQ or dK fold, from which
     the model takes the kernel's references (a max over a tile). Groups that are the kernel's tile
     (token dS, causal dQ scale) are taken per element: the exponent rule is monotone, so the tile
-    max of element exponents is the exponent of the tile's amax. square_32 blocks are document-aligned
-    (`row0`: doc-local row of y's first row); tensor and static scales are one constant; an unquantized
-    dS has exponent 0."""
+    max of element exponents is the exponent of the tile's amax. square_32 blocks lie on the kernel's
+    grid (`row0`, `key0`: y[0, 0]'s doc-local row and key + δ; block edges at doc-local −δ + 32·i on
+    both axes), so no block straddles a kernel tile (its amax would need another CTA's dS); the δ
+    leading tokens are the previous document's, dS 0 there, so no block mixes two documents. tensor
+    and static scales are one constant; an unquantized dS has exponent 0."""
     ds = plan.route.operands.ds
     if not ds.quantized:
         return torch.zeros_like(y)
     if (for_dq and plan.causal_dq) or ds.granularity is Granularity.token:
         return scale_exponent(y.abs(), ds.format, ds.exponent_rule)
     if ds.granularity is Granularity.square_32:
-        pad = row0 % ds.block
-        a = group_amax(torch.nn.functional.pad(y, (0, 0, pad, 0)), ds.block, ds.block)[:, pad:]
+        a = group_amax(y, ds.block, ds.block, row0, key0)
         return scale_exponent(a, ds.format, ds.exponent_rule)
     if ds.granularity is Granularity.tensor:
         return scale_exponent(tensor_amax, ds.format, ds.exponent_rule).expand_as(y)
@@ -738,8 +760,10 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
       over the key tile), B = K codes, k-blocks of 32 keys; partial acc·2^e·scale, the key tiles'
       partials added in fp32 in increasing key-tile order.
     dS, P come from `_grad_chunk` (scores and dP under the model too); chunks of query tiles follow
-    the kernel's tiles. Products whose operands are not FP8 codes (plan.mma_dv/dk/dq off) use the same
-    structure with exact fp32 sums."""
+    the kernel's tiles. Diagonal decisions are the forward's (`plan.fwd_tiles`), per element, so a kernel
+    tile may mix both copies of V; k_fold's dS·K takes one K copy per (row, key tile), which needs the
+    forward's tile_n (route_backward refuses others). Products whose operands are not FP8 codes
+    (plan.mma_dv/dk/dq off) use the same structure with exact fp32 sums."""
     T, Hq, D = o32.shape
     Hkv = Hq // group
     dev = o32.device
@@ -803,8 +827,8 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
                 p_pad = pad(cg.p)
                 edo = torch.nn.functional.pad(do_v.exp[:, a:b], (front, Mp - front - (b - a)), value=-127.0)
                 do_c, q_c = pad_rows(do_v.codes[:, a:b]), pad_rows(qk.codes[:, a:b])
-                yk, ek = pad(ds_k), pad(_ds_exponents(plan, ds_k, False, amax_k, a), -127.0)
-                yq, eq = pad(ds_q), pad(_ds_exponents(plan, ds_q, True, amax_q, a), -127.0)
+                yk, ek = pad(ds_k), pad(_ds_exponents(plan, ds_k, False, amax_k, a + delta, delta), -127.0)
+                yq, eq = pad(ds_q), pad(_ds_exponents(plan, ds_q, True, amax_q, a + delta, delta), -127.0)
                 k_c = pad_keys(kqn.codes)
                 kt_c = pad_keys(kqtn.codes) if kqtn is not None and g.diag is not None else None
                 diag = pad(g.diag.to(torch.float32)) > 0 if kt_c is not None else None

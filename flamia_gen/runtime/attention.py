@@ -377,10 +377,12 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
 
 def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool):
     """The backward's schedule (documents and windows, longest-first key-tile work list, per-token
-    document bounds, dQ tile offsets: runtime.attn_bwd.bwd_schedule), cached (`_cached_work`)."""
-    from .attn_bwd import bwd_schedule
+    document bounds, dQ tile offsets: runtime.attn_bwd.bwd_schedule), cached (`_cached_work`).
+    No windows for a square_32 dS (`attn_bwd.bwd_windows`)."""
+    from .attn_bwd import bwd_schedule, bwd_windows
 
     tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]
     align = kernel_key_align(fp8)
-    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align),
-                        lambda: bwd_schedule(cu, tile_m, tile_n, causal, key_align=align, T=T))
+    win = bwd_windows(params)
+    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align, win),
+                        lambda: bwd_schedule(cu, tile_m, tile_n, causal, key_align=align, T=T, windows=win))

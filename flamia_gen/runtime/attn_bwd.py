@@ -118,18 +118,37 @@ class BwdSchedule(NamedTuple):
     dq_tile_off: torch.Tensor
 
 
+def bwd_windows(params: dict) -> bool:
+    """Whether a backward variant (PARAMS `params`) runs short documents merged into windows
+    (`bwd_schedule`): not when its dS is scaled per 32×32 block (`ds_gran: square_32`), whose blocks
+    must not mix documents."""
+    return params.get("ds_gran") != "square_32"
+
+
 def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
-                 T: int | None = None) -> BwdSchedule:
+                 T: int | None = None, windows: bool = True) -> BwdSchedule:
     """The backward's documents (short ones merged into windows per tile_n chunk: `merge_windows`),
     longest-first work list, per-token document bounds and dQ tile offsets, on cu_seqlens' device
-    without a host synchronisation once T is given."""
+    without a host synchronisation once T is given.
+
+    `windows=False`: every document keeps its own key tiles (no windows; every work item's window flag
+    is 0; `cu` is cu_seqlens itself as int32). Routes whose dS is scaled per 32×32 block (`ds_gran:
+    square_32`) need it: a block of a window would share one amax across documents. The shapes and
+    dtypes are those of `windows=True` (NUM_WORK bounds both)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens: must be 1-D with at least 2 entries (num_docs + 1)")
     if T is None:
         T = int(cu_seqlens[-1].item())
-    w = merge_windows(cu_seqlens, tile_n, T)
-    work = make_work_list(w.cu, tile_m, tile_n, causal, key_align=key_align, T=T)
-    return BwdSchedule(w.cu, flag_windows(work, w.flag), w.row_doc, dq_tile_offsets(w.cu, tile_m, key_align))
+    if windows:
+        w = merge_windows(cu_seqlens, tile_n, T)
+        cu, flag, row_doc = w.cu, w.flag, w.row_doc
+    else:
+        cu = cu_seqlens.to(torch.int32).contiguous()
+        flag = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
+        # row_doc does not depend on the chunk: merge_windows' own per-token bounds (one place computes them)
+        row_doc = merge_windows(cu_seqlens, 1, T).row_doc
+    work = make_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T)
+    return BwdSchedule(cu, flag_windows(work, flag), row_doc, dq_tile_offsets(cu, tile_m, key_align))
 
 
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
@@ -248,10 +267,58 @@ def check_deterministic(args_spec: Sequence[dict], params: dict, *, T: int, HQ: 
     return True
 
 
+DIAG_V_ARGS = ("v_diag", "v_diag_scale", "fwd_tile_m")  # what a `diag_v` backward takes besides the fp8 ones
+
+
+def is_diag_v_spec(args_spec: Sequence[dict]) -> bool:
+    """A backward whose dP = dO·Vᵀ reads the per-token V copy on the forward's diagonal key tiles (route
+    `diagonal: per_key_v`, PARAMS `diag_v`): its ARGS take `v_diag`."""
+    return any(a["name"] == "v_diag" for a in args_spec)
+
+
+def fwd_tile_n_of(params: dict) -> int:
+    """The key tile (tile_n) of the forward a `diag_v` backward pairs with: PARAMS["fwd_tile_n"] of the rendered
+    module, else the backward's own tile_n, which is what the template renders it as (a bundle manifest's
+    `params` are the plan's, without the template's fwd_tile_n)."""
+    return int(params.get("fwd_tile_n", params["tile_n"]))
+
+
+def check_diag_v(args_spec: Sequence[dict], *, T: int, HKV: int, D: int, dev, v_diag=None, v_diag_scale=None,
+                 fwd_tile_m=None) -> bool:
+    """Validate the per-token V copy a `diag_v` backward reads where the forward did (its diagonal key
+    tiles); returns whether the variant takes it. Each of `v_diag`, `v_diag_scale`, `fwd_tile_m` is required
+    exactly when the ARGS name it, and refused otherwise. `v_diag`: per-token E4M3 codes (T, HKV, D)
+    uint8/float8_e4m3fn, laid out like v; `v_diag_scale`: their UE8M0 codes uint8 (T, HKV); both contiguous
+    on q's device. `fwd_tile_m`: the forward variant's tile_m (its query tiles decide the diagonal), a
+    positive int multiple of 64."""
+    names = {a["name"] for a in args_spec}
+    given = dict(v_diag=v_diag, v_diag_scale=v_diag_scale, fwd_tile_m=fwd_tile_m)
+    for name in DIAG_V_ARGS:
+        if name in names:
+            _need(given[name] is not None, name, "required: this variant's dP uses the per-token V copy on the "
+                  "forward's diagonal key tiles (ARGS name v_diag, v_diag_scale, fwd_tile_m; ops.backward_with "
+                  "passes them)")
+        else:
+            _need(given[name] is None, name, "only a backward whose ARGS name it (a diag_v variant: route diagonal "
+                  "per_key_v) takes it")
+    if "v_diag" in names:
+        _check_tensor(v_diag, "v_diag", _FP8_CODE_DTYPES, (T, HKV, D), dev)
+    if "v_diag_scale" in names:
+        _check_tensor(v_diag_scale, "v_diag_scale", (torch.uint8,), (T, HKV), dev)
+    if "fwd_tile_m" in names:
+        ok = isinstance(fwd_tile_m, int) and not isinstance(fwd_tile_m, bool)
+        _need(ok, "fwd_tile_m", f"expected an int (the forward variant's tile_m), got {type(fwd_tile_m).__name__}")
+        _need(fwd_tile_m > 0 and fwd_tile_m % 64 == 0, "fwd_tile_m",
+              f"{fwd_tile_m} is not a positive multiple of 64 (the forward's tile_m: 128 or 192)")
+    return "v_diag" in names
+
+
 def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
                  q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
                  dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
-                 schedule: BwdSchedule | None = None, dq_sem: torch.Tensor | None = None):
+                 schedule: BwdSchedule | None = None, dq_sem: torch.Tensor | None = None,
+                 v_diag: torch.Tensor | None = None, v_diag_scale: torch.Tensor | None = None,
+                 fwd_tile_m: int | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D)).
 
@@ -267,7 +334,11 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     Deterministic variants only (ARGS name `dq_sem`; see `check_deterministic`): `dq_sem`, an int32
     (HQ, ≥ num_dq_tiles(T, NUM_DOCS, tile_m, key_align)) buffer to reuse (zeroed here on every call;
     None → allocated with torch.zeros). Everything stays on the device (no host sync: CUDA-graph
-    capturable)."""
+    capturable).
+    `diag_v` variants only (ARGS name `v_diag`; see `check_diag_v`): `v_diag` (T, HKV, D) and
+    `v_diag_scale` (T, HKV), V quantized per token (the copy the forward read on its diagonal key tiles),
+    and `fwd_tile_m`, the forward variant's tile_m; such a variant's schedule has no windows
+    (`bwd_windows`: its dS is scaled per 32×32 block)."""
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
@@ -279,6 +350,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem)
+    diag = check_diag_v(args_spec, T=T, HKV=HKV, D=D, dev=q.device, v_diag=v_diag, v_diag_scale=v_diag_scale,
+                        fwd_tile_m=fwd_tile_m)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -296,7 +369,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
     tile_m, tile_n = params["tile_m"], params["tile_n"]
     if schedule is None:
-        schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T)
+        schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T,
+                                windows=bwd_windows(params))
     else:
         nw = num_work(T, cu_seqlens.numel() - 1, tile_n)
         for t, name in zip(schedule, BwdSchedule._fields):
@@ -327,6 +401,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
             by_name.update(q_t=_as_e4m3(q_t), q_scale=q_scale, k_t=_as_e4m3(k_t), k_scale=k_scale)
     else:
         by_name.update(q=q, k=k, v=v, do=do)
+    if diag:
+        by_name.update(v_diag=_as_e4m3(v_diag), v_diag_scale=v_diag_scale, fwd_tile_m=int(fwd_tile_m))
     two_pass = is_ds_tensor_spec(args_spec)
     if two_pass:
         # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
@@ -342,5 +418,6 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-__all__ = ["is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+__all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",
+           "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

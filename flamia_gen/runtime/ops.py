@@ -36,8 +36,8 @@ import torch
 
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
-                        saves_codes)
-from .attn_bwd import _is_fp8_spec, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
+                        saves_codes, token_copy_use)
+from .attn_bwd import _is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
@@ -198,19 +198,73 @@ def _run_backward(do, q, k, v, o, lse, cu, max_seqlen: int, causal: bool, route:
     return dq, dk, dv
 
 
+def forward_choice(b, bwd: dict, d: int, profile) -> dict:
+    """The bundle's forward entry the op's forward ran for this call (route, head dim, causality of backward
+    entry `bwd`, dispatch profile `profile`): `packed_attention`'s own pick.
+
+    `_pick` never raises for a route the dispatch table and the installed plan do not know (a candidate route
+    under test, `bench.bwd_experiments --candidates`): the dispatcher's KeyError is caught and the bundle's
+    first forward of the route (by name) answers, as it did for the forward; only a bundle with no forward of
+    the route raises NoKernelError (then there is no forward to pair with either). No other fallback here: a
+    forward of another tile_n than the one the forward actually used would give other diagonal decisions."""
+    return _pick_cached(str(b.root), "attn_fwd", bwd["uses"][0], d, bool(bwd["params"]["causal"]), profile)
+
+
+def diag_v_inputs(b, bwd: dict, v, cu, profile, fwd_params: dict | None = None) -> dict:
+    """run_attn_bwd's `v_diag`, `v_diag_scale`, `fwd_tile_m` for a backward entry with PARAMS `diag_v`: V
+    quantized per token by the bundle's quantizer of the route's per-token copy (`token_copy_use`, as
+    `attention.fp8_forward_inputs` launches it for the forward's diagonal tiles: the same codes bit for bit),
+    and the forward's tile_m. `fwd_params`: PARAMS of the forward variant that produced O and LSE (None →
+    `forward_choice`, the op's forward for this call). ValueError when that forward's tile_n is not the
+    backward's fwd_tile_n (`attn_bwd.fwd_tile_n_of`: its diagonal key tiles would not be the ones the kernel
+    assumes)."""
+    params, D, root = bwd["params"], v.shape[2], str(b.root)
+    route = bwd["uses"][0]
+    want = fwd_tile_n_of(params)
+    if fwd_params is None:
+        fe = forward_choice(b, bwd, D, profile)
+        fwd_params, what = fe["params"], f"forward variant {fe['name']} (the dispatcher's choice for this call)"
+    else:
+        if not isinstance(fwd_params, dict) or "tile_m" not in fwd_params or "tile_n" not in fwd_params:
+            raise _bad("fwd_params", f"expected the forward variant's PARAMS (a dict with tile_m, tile_n), got "
+                                     f"{fwd_params!r}")
+        what = "the forward variant given as fwd_params" + (f" ({fwd_params['name']})" if "name" in fwd_params else "")
+    if fwd_params["tile_n"] != want:
+        raise _bad("fwd_params", f"{what} has tile_n={fwd_params['tile_n']}, but backward {bwd['name']} repeats the "
+                                 f"diagonal decisions of a forward with tile_n={want} (its fwd_tile_n) only: pair "
+                                 f"it with a forward variant of tile_n={want}")
+    for key in ("causal", "head_dim"):
+        if key in fwd_params and fwd_params[key] != params[key]:
+            raise _bad("fwd_params", f"{what} has {key}={fwd_params[key]}, backward {bwd['name']} {key}={params[key]}")
+    r, op = token_copy_use(root, route, "v", D)
+    vt = _quantize(b, _pick_cached(root, "quant", r, D, None, profile, op), v, cu)
+    return dict(v_diag=vt["codes"], v_diag_scale=per_token_scales(vt["scales"], v),
+                fwd_tile_m=int(fwd_params["tile_m"]))
+
+
 def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
-                  poison: bool = False, codes=None):
+                  poison: bool = False, codes=None, fwd_params: dict | None = None):
     """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
     (Q, K, V recomputed bit for bit as the forward had them, unless `codes`, the forward's own
     quantizer outputs (attention_fwd's code outputs), are given; dO with D = rowsum(dO∘O) and the
     zeroed dQ accumulator), then the kernel. → (dq, dk, dv, dq_accum). `verify` calls it with
-    `poison=True` (dK, dV start as NaN: rows never written show)."""
+    `poison=True` (dK, dV start as NaN: rows never written show).
+    `fwd_params`: PARAMS of the forward variant that produced `o`, `lse`; read only by a `diag_v` variant
+    (route diagonal per_key_v: `diag_v_inputs` launches the per-token V copy and refuses a forward of another
+    tile_n than its fwd_tile_n); None → the forward the op runs for this call (`forward_choice`)."""
     T, HQ, D = q.shape
     route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
-    sched = bwd_schedule_cached(cu, T, params, fp8)
     root = str(b.root)
+    # the forward pairing first: a refused forward raises before any launch
+    diag = {}
+    if params.get("diag_v"):
+        if codes:  # then v is the V code tensor standing in for the BF16 v (attention_bwd): no copy can be made
+            raise _bad("codes", f"backward {bwd['name']} (diag_v) quantizes V per token itself: it needs the BF16 v, "
+                                f"not the forward's codes (saves_codes routes have no diagonal copies)")
+        diag = diag_v_inputs(b, bwd, v, cu, profile, fwd_params)
+    sched = bwd_schedule_cached(cu, T, params, fp8)
     if not fp8:
         # bf16 route: nothing to quantize; its dO launch writes delta = rowsum(dO∘O) (HQ, T) fp32 and the
         # zeroed dq_accum in one pass (templates/common/do_delta_body.py.j2)
@@ -237,7 +291,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         fn, args, q.contiguous() if sbf16 else qq["codes"], k.contiguous() if sbf16 else kq["codes"], vq["codes"],
         dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dq_["codes_t"], **qkc,
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
-        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
+        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, **diag)
 
 
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())

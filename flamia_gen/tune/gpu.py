@@ -204,8 +204,10 @@ class AttnBwdHook:
                 q, k, v, cu = make_qkv(lens, workload.heads, workload.heads, entry["params"]["head_dim"], "gauss", g,
                                        dev)
                 do = torch.randn(q.shape, generator=g).to(torch.bfloat16).to(dev)
-                o, lse, prof = backward_setup(bundle, entry, q, k, v, cu)
-                calls.append(lambda a=(do, q, k, v, o, lse, cu, prof): backward_with(bundle, entry, *a))
+                o, lse, prof, fwd = backward_setup(bundle, entry, q, k, v, cu, with_forward=True)
+                # fwd_params: a diag_v backward repeats the diagonal decisions of the forward that made O, LSE
+                calls.append(lambda a=(do, q, k, v, o, lse, cu, prof), fp=fwd["params"]:
+                             backward_with(bundle, entry, *a, fwd_params=fp))
             return time_cuda(calls, warmup=warmup, repeats=repeats)
 
 

@@ -18,6 +18,7 @@ from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
 from ..bench.flops import attention_flops
 from ..runtime.attention import assemble_forward_inputs
+from ..runtime.attn_bwd import fwd_tile_n_of
 from ..runtime.attn_fwd import fwd_schedule, kernel_key_align, run_attn_fwd
 from .cpu import expected_o_cosine
 from ..spec import get_route
@@ -234,33 +235,57 @@ def expected_grad_cosine(route: str) -> float:
 
 
 def forward_entry_for(bundle, bwd_entry: dict) -> dict:
-    """A forward variant of the same route, causality and head dim (they all give the same O)."""
+    """The forward variant whose O and LSE a backward variant is checked and timed with: the bundle's first
+    (manifest order) attn_fwd variant of the same route, causality and head dim.
+
+    Without diagonal decisions any of them will do (their O differ only by the kernels' rounding, which the
+    backward takes as given). Not on a route with diagonal decisions (`diagonal: per_key_v`): the forward's
+    query and key tiles decide on which key tiles V is read per token, so a `diag_v` backward (PARAMS
+    `diag_v`) pairs only with a forward of tile_n == its fwd_tile_n (`fwd_tile_n_of`; told that forward's
+    tile_m: `ops.backward_with(fwd_params=...)`); such an entry gets the first forward with that tile_n."""
     p = bwd_entry["params"]
+    want_n = fwd_tile_n_of(p) if p.get("diag_v") else None
     for e in bundle.manifest["variants"]:
         ep = e["params"]
         if e["kind"] == "attn_fwd" and e["uses"] == bwd_entry["uses"] and ep["causal"] == p["causal"] \
-                and ep["head_dim"] == p["head_dim"]:
+                and ep["head_dim"] == p["head_dim"] and (want_n is None or ep.get("tile_n") == want_n):
             return e
+    extra = "" if want_n is None else f" tile_n={want_n} (the diag_v backward's fwd_tile_n)"
     raise LookupError(f"bundle has no attn_fwd variant for route {bwd_entry['uses'][0]!r} causal={p['causal']} "
-                      f"head_dim={p['head_dim']}: the backward needs the forward's O and LSE")
+                      f"head_dim={p['head_dim']}{extra}: the backward needs the forward's O and LSE")
 
 
-def backward_setup(bundle, entry: dict, q, k, v, cu):
-    """What a backward variant needs besides dO: O and LSE (HQ, T) from a forward variant of the
-    same route, and the op's document profile (reads cu_seqlens back: setup, not timed)."""
+def backward_setup(bundle, entry: dict, q, k, v, cu, *, with_forward: bool = False):
+    """What a backward variant needs besides dO: O and LSE (HQ, T) from the forward variant
+    `forward_entry_for` gives, and the op's document profile (reads cu_seqlens back: setup, not timed)
+    → (o, lse, profile); `with_forward=True` → (o, lse, profile, forward entry): pass the entry's params to
+    `ops.backward_with(fwd_params=...)` (a `diag_v` backward needs them; without, backward_with pairs it with
+    the dispatcher's forward choice, which may be another variant)."""
     from ..runtime.attention import doc_profile
 
     fwd = forward_entry_for(bundle, entry)
     o, lse = run_kernel(bundle.get(fwd["name"]), fwd, get_route(entry["uses"][0]), q, k, v, cu)
-    return o, lse, doc_profile(q.shape[0], cu, int((cu[1:] - cu[:-1]).max()))
+    prof = doc_profile(q.shape[0], cu, int((cu[1:] - cu[:-1]).max()))
+    return (o, lse, prof, fwd) if with_forward else (o, lse, prof)
 
 
 def _run_bwd(bundle, entry, q, k, v, do, cu, poison=True):
     from ..runtime.ops import backward_with
 
-    o, lse, prof = backward_setup(bundle, entry, q, k, v, cu)
-    dq, dk, dv, _ = backward_with(bundle, entry, do, q, k, v, o, lse, cu, prof, poison=poison)
+    o, lse, prof, fwd = backward_setup(bundle, entry, q, k, v, cu, with_forward=True)
+    dq, dk, dv, _ = backward_with(bundle, entry, do, q, k, v, o, lse, cu, prof, poison=poison,
+                                  fwd_params=fwd["params"])
     return o, lse, dq, dk, dv
+
+
+def emulator_forward_tiles(bundle, entry: dict) -> dict:
+    """attention_backward's keyword arguments for the forward's tiles (its diagonal decisions): the
+    forward `forward_entry_for` pairs with a `diag_v` entry (fwd_tile_m, fwd_tile_n); {} for every other
+    entry (the emulator then takes the backward's tiles, as before)."""
+    if not entry["params"].get("diag_v"):
+        return {}
+    fp = forward_entry_for(bundle, entry)["params"]
+    return dict(fwd_tile_m=fp["tile_m"], fwd_tile_n=fp["tile_n"])
 
 
 def probe_bwd(bundle, entry, q, k, v, do, cu, factor=1e4, n_positions=2) -> dict:
@@ -315,6 +340,8 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
     route = get_route(entry["uses"][0])
     params = entry["params"]
     causal = params["causal"]
+    # diag_v entries: the emulator repeats the diagonal decisions of the forward the kernel was paired with
+    fwd_tiles = emulator_forward_tiles(bundle, entry)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for kind in kinds:
@@ -333,13 +360,13 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         # 0.99998 (exact sums) to 0.999998 on Gaussian inputs. The exact-sum emulator is reported beside.
         emu = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
                                  tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma,
-                                 key_align=opts["key_align"])
+                                 key_align=opts["key_align"], **fwd_tiles)
         exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
-                   emulator_mma=mma)
+                   emulator_mma=mma, **fwd_tiles)
         if mma != "exact":
             emu_sums = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
-                                          tile_m=params["tile_m"], tile_n=params["tile_n"])
+                                          tile_m=params["tile_m"], tile_n=params["tile_n"], **fwd_tiles)
             for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_sums):
                 row[f"{name}_cos_emulator_exact_sums"] = float(cosine(got.float(), e.float()))
         ok = True
