@@ -119,6 +119,8 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
     if elem_bytes == 1 and params.get("diag_v"):  # the per-token V tile and dp_diag_v's fp32 stash (8 per thread)
         kv += n * d + 8 * 4 * 64 * params["compute_warpgroups"] * 2
+    if elem_bytes == 1 and params.get("diag_k"):  # k_fold: the per-token K and Kᵀ tiles
+        kv += 2 * n * d
     if elem_bytes == 1 and params.get("ds_gran") == "square_32":  # dK block maxima, one word per consumer warp
         kv += 4 * 8 * params["compute_warpgroups"]
     return kv + st * per_stage + ds + 2 * 4 * m + dq + 1024 + (128 if dq else 0)

@@ -111,8 +111,9 @@ def test_guards():
     v = _pick()
     with pytest.raises(jinja2.UndefinedError, match="diag_v_backward_is_built_for"):
         _render_with(v, ds_gran="token")
-    with pytest.raises(jinja2.UndefinedError, match="no_per_key_K_or_per_token_Q_rows_yet"):
-        _render_with(v, diag_k=True)
+    tok = next(t for t in _variants("fp8_token") if t.name == v.name.replace(ROUTE, "fp8_token"))
+    with pytest.raises(jinja2.UndefinedError, match="built_for_token_block_routes_with_square_32_ds_only"):
+        _render_with(tok, diag_k=True)
     with pytest.raises(jinja2.UndefinedError, match="square_32_ds_needs_bwd_alu_trim"):
         _render_with(v, bwd_alu_trim=False)
 
@@ -133,6 +134,74 @@ def test_compile(compile_sm90, tmp_path, causal):
 
     # the dK block exponent's 64-thread barrier (id 3 + warp // 2, a register) exists only with square_32 dS
     assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas on this host")
+    (tmp_path / "k.ptx").write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for code in ("C7511", "C7512", "C7515"):
+        assert code not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+# ----------------------------------------------------------------------------- mxfp8_exact (rows, k_fold, causal dQ)
+EXACT = _variants("mxfp8_exact")
+
+
+def _pick_exact(causal=True, det=False, d=128):
+    return next(v for v in EXACT if v.param("head_dim") == d and v.param("causal") == causal
+                and bool(dict(v.params).get("deterministic")) == det)
+
+
+def test_exact_variants_fit():
+    assert len(EXACT) == 8
+    for v in EXACT:
+        p = dict(v.params)
+        assert p["rows_q"] is True and p["diag_k"] is p["diag_v"] is p["causal"]
+        smem = attn_bwd_smem_bytes(p, 1)
+        assert smem == attn_bwd_smem_bytes(dict(p, diag_k=False), 1) + (2 * 128 * p["head_dim"] if p["causal"] else 0)
+        assert smem <= SMEM_LIMIT[Arch.sm90]
+
+
+def test_exact_render_args_and_rows():
+    lit = _literals(render_variant(_pick_exact()))
+    names = [a["name"] for a in lit["ARGS"]]
+    assert names[-8:] == ["v_diag", "v_diag_scale", "fwd_tile_m", "q_t_scale", "do_t_scale", "k_diag", "k_t_diag",
+                          "k_diag_scale"]
+    assert {"rows_q", "rows_do", "diag_k", "diag_v"} <= set(lit["PARAMS"])
+    nc = _literals(render_variant(_pick_exact(causal=False)))
+    assert [a["name"] for a in nc["ARGS"]][-2:] == ["q_t_scale", "do_t_scale"]
+    src = render_variant(_pick_exact())
+    # dK's Q fold from the token-block scales, dV's reference from the token-block dO's; Sᵀ's from the per-token ones
+    assert "qtc = Int32(mQts[tok, head])" in src and "bits_f32(Uint32(dts[j]))" in src
+    assert "qc = Int32(mQs[tok, head])" in src and "dcs[j] = Int32(mdOs[tok, head])" in src
+    # k_fold on the masked tiles: Sᵀ, dPᵀ and dQ from the copies the forward read; causal dQ scale per row (no
+    # 32-row block exponent for dQ), square_32 for dK
+    body = src[src.index("    def one_tile("):]
+    assert "self.sdp_diag(" in body and "self.dq_diag(" in body and "kfe = kfd[rh]" in body
+    assert "bk[cg // 4]" not in body and "SQ32_BARRIER0" in body
+    # mxfp8 (no k_fold, no rows) renders neither
+    plain = render_variant(_pick())
+    assert "sdp_diag" not in plain and "mQts" not in plain and "dts[j]" not in plain
+
+
+def test_exact_guards():
+    v = _pick_exact()
+    with pytest.raises(jinja2.UndefinedError, match="diag_k_needs_diag_v"):
+        _render_with(v, diag_v=False)
+    with pytest.raises(jinja2.UndefinedError, match="diag_k_needs_bwd_interior_nomask"):
+        _render_with(v, bwd_interior_nomask=False)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [True, False])
+def test_compile_exact(compile_sm90, tmp_path, causal):
+    import shutil
+    import subprocess
+
+    ptx = compile_sm90(_pick_exact(causal=causal))
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("no ptxas on this host")
