@@ -73,6 +73,9 @@ def attn_smem_bytes(params: dict, elem_bytes: int, qk_bytes: int | None = None) 
     return q + kv + o + p + barriers + scales + align
 
 
+BWD_KEY_TILE_SM90 = 128  # the sm90 backward's key tile (tile_n): a diag_v/diag_k backward pairs with this forward tile_n
+
+
 def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     d, m, n = params["head_dim"], params["tile_m"], params["tile_n"]
     wg = params["compute_warpgroups"]
@@ -88,6 +91,10 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
         return False, f"tile_n={n}: FP8 PV contracts over keys in k-steps of 32"
     if n % 16:
         return False, f"tile_n={n} is not a multiple of 16"
+    if arch is Arch.sm90 and (params.get("diag_v") or params.get("diag_k")) and n != BWD_KEY_TILE_SM90:
+        # the backward repeats the forward's diagonal decisions on its own 128-key tiles (runtime.ops.diag_v_inputs)
+        return False, (f"tile_n={n}: a causal forward with diagonal safeguards pairs with the sm90 backward's "
+                       f"{BWD_KEY_TILE_SM90}-key tiles")
     # fp32 accumulators per thread: O (64×D/128) + S (64×n/128), twice S when the softmax
     # of one tile overlaps the QKᵀ of the next, + ~24 for row state, scales and addresses
     # (m192 n128 at 3 warpgroups: 152 of 160, compiled with no spills: REG 128, STACK 8).

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from .. import __version__
-from ..spec import Arch, Format, KernelFamily, KernelKind, Operand, Route, SpecSet
+from ..spec import Arch, Format, Granularity, KernelFamily, KernelKind, Operand, Route, SpecSet
 from ..spec.route import operand_quant
 from .feasibility import check_attn, check_attn_bwd, check_quant
 from .naming import procedural_name
@@ -193,6 +193,21 @@ def expand_family(fam: KernelFamily, specs: SpecSet, routes: list[str] | None = 
     return plan
 
 
+def _token_copy_reps(specs: SpecSet, routes: list[str]) -> set[tuple[str, str]]:
+    """(format, exponent rule) of every operand whose per-token copy a route's kernels read: K, V on the causal
+    forward's diagonal tiles (Route.forward_safeguards), Q and dO rows of an exact token-block route."""
+    reps = set()
+    for r in routes:
+        route = specs.route(r)
+        ops, sg = route.operands, route.forward_safeguards(True)
+        tb = Granularity.token_block
+        for oq, need in ((ops.k, sg.per_key_k), (ops.v, sg.per_key_v), (ops.q, sg.rows_q),
+                         (ops.do, route.exact and ops.do.granularity is tb)):
+            if need:
+                reps.add((oq.format.value, oq.exponent_rule.value))
+    return reps
+
+
 def make_plan(specs: SpecSet, *, arch: Arch | str | None = None, routes: list[str] | None = None,
               kinds: list[KernelKind] | None = None) -> Plan:
     """All variants of all families (optionally filtered), names unique."""
@@ -209,6 +224,14 @@ def make_plan(specs: SpecSet, *, arch: Arch | str | None = None, routes: list[st
         sub = expand_family(fam, specs, routes)
         plan.variants += sub.variants
         plan.pruned += sub.pruned
+        if routes and fam.kind is KernelKind.quant:
+            # the per-token copies the routes' kernels read (diagonal tiles, exact rows) are other routes'
+            # quantizers: a plan (bundle) of these routes must hold them too
+            have = {v.name for v in sub.variants}
+            reps = _token_copy_reps(specs, routes)
+            plan.variants += [v for v in expand_family(fam, specs).variants if v.name not in have and
+                              (v.param("fmt"), v.param("exponent_rule")) in reps and v.param("granularity") == "token"
+                              and not v.param("hadamard")]
     seen: set[str] = set()
     for v in plan.variants:
         if v.name in seen:

@@ -67,8 +67,11 @@ def test_route_shipped_and_variants_expand():
     """The spec lists the route (shipped after the H200 verify and tune); the family expands it to
     the same tile points as the FP8 routes, per-key V on causal."""
     assert ROUTE in _shipped_routes()
-    assert len(MIXED) == 8
-    assert len(_family_variants([ROUTE], head_dim=64)) == 10  # D = 64 also fits m192n192
+    # causal variants (per-key V on the diagonal) keep tile_n 128 only: the sm90 backward repeats the forward's
+    # diagonal decisions on 128-key tiles (plan.feasibility.BWD_KEY_TILE_SM90)
+    assert len(MIXED) == 7
+    assert len(_family_variants([ROUTE], head_dim=64)) == 8  # D = 64 also fits m192n192 (non-causal)
+    assert not any(v.param("causal") and v.param("tile_n") != 128 for v in MIXED)
     assert {(v.param("tile_m"), v.param("tile_n")) for v in MIXED} == {(128, 128), (128, 192), (192, 128)}
     sg = get_route(ROUTE).forward_safeguards
     assert tuple(sg(True)) == (False, True, False) and tuple(sg(False)) == (False, False, False)
@@ -281,9 +284,9 @@ def _smem_struct_bytes(p: dict) -> int:
 def test_smem_estimate_counts_bf16_q_and_k():
     """sm90 stages the mixed route's Q, K as BF16 (2 bytes) and V as E4M3: the plan's estimate must
     count that, or it would keep points that cannot launch."""
-    p = dict(_by(True, n=192).params)
+    p = dict(_by(False, n=192).params)
     assert qk_smem_bytes(Arch.sm90, p, 1) == 2 and qk_smem_bytes(Arch.sm100, p, 1) == 1
-    fp8 = dict(_twin(_by(True, n=192), "mxfp8").params)
+    fp8 = dict(_twin(_by(False, n=192), "mxfp8").params)
     assert qk_smem_bytes(Arch.sm90, fp8, 1) == 1
     assert attn_smem_bytes(fp8, 1) == attn_smem_bytes(fp8, 1, 1)  # other routes: unchanged
     mixed = attn_smem_bytes(p, 1, 2)

@@ -57,7 +57,7 @@ def _loss(q, k, v, cu, m, causal, route):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv", "fp8_tensor"])
+@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv", "fp8_tensor", "mxfp8_exact"])
 def test_gpu_train_step_compile_fullgraph(route):
     causal = True
     _need_bwd(route, causal)
@@ -258,10 +258,10 @@ def _tensor_scale_probe(route):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_tensor", "fp8_token_bf16qk", "fp8_pv"])
+@pytest.mark.parametrize("route", ["fp8_token", "bf16", "fp8_tensor", "fp8_token_bf16qk", "fp8_pv", "mxfp8_exact"])
 def test_gpu_leakage_probe_on_the_op(route):
-    """fp8_token, fp8_token_bf16qk, fp8_pv (and bf16, the control) are exact: a token only reaches its own and later rows of
-    its document. fp8_tensor is leaky by design (specs/routes/fp8_tensor.yaml): the probe must see it."""
+    """fp8_token, fp8_token_bf16qk, fp8_pv, mxfp8_exact (and bf16, the control) are exact: a token only reaches its own
+    and later rows of its document. fp8_tensor is leaky by design (specs/routes/fp8_tensor.yaml): the probe must see it."""
     _need_cuda()
     _gpu_bundle(route)
     if route == "fp8_tensor":
