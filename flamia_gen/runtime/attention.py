@@ -244,9 +244,7 @@ def token_copy_use(root: str, route: str, operand: str, d: int) -> tuple[str, st
     p = own[0]["params"]
     for v in sorted(b.manifest["variants"], key=lambda e: e["name"]):
         vp = v["params"]
-        if (v["kind"] == "quant" and vp.get("granularity") == "token" and vp.get("fmt") == p["fmt"]
-                and vp.get("exponent_rule") == p["exponent_rule"] and not vp.get("hadamard")
-                and vp.get("head_dim") == d and not vp.get("with_delta") and v["uses"]):
+        if v["kind"] == "quant" and _is_token_copy(vp, p, d) and not vp.get("with_delta") and v["uses"]:
             r, op = v["uses"][0].split(".")
             return r, op
     raise NoKernelError(f"no per-token {p['fmt']} quantizer (the diagonal-tile copy of {route}.{operand}, "
@@ -373,6 +371,50 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
         if name in names:
             return b.variants[name]
     return sorted(cands, key=lambda v: v["name"])[0]
+
+
+def _is_token_copy(vp: dict, own: dict, d: int) -> bool:
+    """Quantizer PARAMS `vp` write the per-token copy of the representation PARAMS `own` (same format and exponent
+    rule, granularity `token`, no rotation, head dim d): what `token_copy_use` looks for."""
+    return (vp.get("granularity") == "token" and vp.get("fmt") == own["fmt"]
+            and vp.get("exponent_rule") == own["exponent_rule"] and not vp.get("hadamard") and vp.get("head_dim") == d)
+
+
+@lru_cache(maxsize=64)
+def token_copy_do_delta(root: str, route: str, d: int, profile) -> dict:
+    """The dO launch (`with_delta`: codes, scales, codes_t, delta = rowsum(dÔ∘O), the zeroed dq_accum) of the
+    PER-TOKEN copy of route.do, for an exact token-block route whose dP = dO·Vᵀ and D read that copy
+    (`Route.forward_safeguards`, the emulator's `causal_rows_do`: D must come from the dO representation dP
+    uses). The route of `token_copy_use(route, "do")` (a bundled per-token plain quantizer of the same format and
+    exponent rule) answers first, then every other route a bundled per-token with_delta quantizer of that
+    representation serves; each through `pick_do_delta` (the dispatch table's choice for this call), accepted only
+    when the launch it picks is such a per-token with_delta quantizer. NoKernelError when the bundle has none."""
+    b = _bundle(root)
+    own = b.for_use(route, "do", "quant", head_dim=d, with_delta=False)
+    if not own:
+        raise NoKernelError(f"no quantizer for {route}.do (head_dim={d}) on {ARCH} in bundle {root}")
+    p = own[0]["params"]
+
+    def fits(vp: dict) -> bool:
+        return bool(vp.get("with_delta")) and _is_token_copy(vp, p, d)
+
+    try:
+        first = [token_copy_use(root, route, "do", d)[0]]
+    except NoKernelError:  # no plain per-token copy bundled: a with_delta one may still be
+        first = []
+    others = sorted({u.split(".")[0] for v in b.manifest["variants"] if v["kind"] == "quant" and fits(v["params"])
+                     for u in v["uses"] if u.endswith(".do")} - set(first))
+    for r in first + others:
+        try:
+            e = pick_do_delta(root, r, d, profile)
+        except NoKernelError:
+            continue
+        if fits(e["params"]):
+            return e
+    raise NoKernelError(f"no per-token {p['fmt']} ({p['exponent_rule']}) dO launch (a with_delta quantizer of "
+                        f"granularity token: D = rowsum(dO∘O) and the zeroed dQ accumulator) for head_dim={d} on "
+                        f"{ARCH} in bundle {root}: route {route!r}'s backward reads dO per token in dP and D (exact "
+                        f"route, token-block dO); bundle a route whose dO is per-token {p['fmt']} (fp8_token) too")
 
 
 def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool):

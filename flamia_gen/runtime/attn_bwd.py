@@ -277,7 +277,7 @@ def is_diag_v_spec(args_spec: Sequence[dict]) -> bool:
 
 
 def fwd_tile_n_of(params: dict) -> int:
-    """The key tile (tile_n) of the forward a `diag_v` backward pairs with: PARAMS["fwd_tile_n"] of the rendered
+    """The key tile (tile_n) of the forward a `diag_v` (or `diag_k`) backward pairs with: PARAMS["fwd_tile_n"] of the rendered
     module, else the backward's own tile_n, which is what the template renders it as (a bundle manifest's
     `params` are the plan's, without the template's fwd_tile_n)."""
     return int(params.get("fwd_tile_n", params["tile_n"]))
@@ -313,12 +313,86 @@ def check_diag_v(args_spec: Sequence[dict], *, T: int, HKV: int, D: int, dev, v_
     return "v_diag" in names
 
 
+ROWS_ARGS = ("q_t_scale", "do_t_scale")  # an exact route's split Q, dO (per-token copy in S, dP; own codes_t in dK, dV)
+DIAG_K_ARGS = ("k_diag", "k_t_diag", "k_diag_scale")  # a `diag_k` backward's per-token K (k_fold)
+
+
+def is_rows_spec(args_spec: Sequence[dict]) -> bool:
+    """A backward of an exact token-block route (PARAMS `rows_q`, `rows_do`): S = Q·Kᵀ and dP = dO·Vᵀ (and D) read
+    the per-token Q and dO copies (`q`, `q_scale`, `do`, `do_scale`), dK = dSᵀ·Q and dV = Pᵀ·dO the route's own
+    token-block codes_t (`q_t`, `do_t`) with their own scales: its ARGS take `q_t_scale` (and `do_t_scale`)."""
+    return any(a["name"] in ROWS_ARGS for a in args_spec)
+
+
+def is_diag_k_spec(args_spec: Sequence[dict]) -> bool:
+    """A backward whose S = Q·Kᵀ and dQ = dS·K read the per-token K copy on the forward's diagonal key tiles (route
+    `k_fold`, PARAMS `diag_k`): its ARGS take `k_diag`."""
+    return any(a["name"] == "k_diag" for a in args_spec)
+
+
+def _check_named(names: set, given: dict, required: str, refused: str) -> None:
+    """Each argument of `given` is required exactly when the ARGS (`names`) name it, refused otherwise."""
+    for name, t in given.items():
+        if name in names:
+            _need(t is not None, name, f"required: {required}")
+        else:
+            _need(t is None, name, f"only a backward whose ARGS name it ({refused}) takes it")
+
+
+def _check_t_pad(t: torch.Tensor, name: str, T: int, tpad: int | None) -> None:
+    _need(t.shape[2] >= T and t.shape[2] % 16 == 0, name,
+          f"T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
+    if tpad is not None:
+        _need(t.shape[2] == tpad, name, f"T_PAD={t.shape[2]} differs from k_t's {tpad}")
+
+
+def check_rows(args_spec: Sequence[dict], *, T: int, HQ: int, dev, q_t_scale=None, do_t_scale=None) -> bool:
+    """Validate the token-block scales of an exact route's dK, dV operands; returns whether the variant takes any.
+    Each of `q_t_scale`, `do_t_scale` is required exactly when the ARGS name it and refused otherwise: the UE8M0
+    codes (T, HQ) uint8, contiguous on q's device, of the route's own token-block Q (whose codes_t are `q_t`) and
+    dO (`do_t`); `q_scale`, `do_scale` are then the per-token copies' (those of `q`, `do`)."""
+    names = {a["name"] for a in args_spec}
+    given = dict(q_t_scale=q_t_scale, do_t_scale=do_t_scale)
+    _check_named(names, given, "this variant's dK and dV read the route's own token-block Q and dO codes_t (q_t, "
+                 "do_t) while S, dP read their per-token copies (q, do): ARGS name q_t_scale, do_t_scale; "
+                 "ops.backward_with passes them", "an exact token-block route's rows_q / rows_do variant")
+    for name, t in given.items():
+        if name in names:
+            _check_tensor(t, name, (torch.uint8,), (T, HQ), dev)
+    return any(n in names for n in ROWS_ARGS)
+
+
+def check_diag_k(args_spec: Sequence[dict], *, T: int, HKV: int, D: int, dev, k_t=None, k_diag=None,
+                 k_t_diag=None, k_diag_scale=None) -> bool:
+    """Validate the per-token K copy a `diag_k` backward reads where the forward did (its diagonal key tiles: S =
+    Q·Kᵀ and dQ = dS·K); returns whether the variant takes it. Each of `k_diag`, `k_t_diag`, `k_diag_scale` is
+    required exactly when the ARGS name it and refused otherwise. `k_diag`: per-token E4M3 codes (T, HKV, D)
+    uint8/float8_e4m3fn, laid out like k; `k_t_diag`: their K-major copy (HKV, D, T_PAD), T_PAD that of `k_t`;
+    `k_diag_scale`: their UE8M0 codes uint8 (T, HKV); all contiguous on q's device. One launch of the route's
+    per-token K quantizer writes the three (`attention.token_copy_use`)."""
+    names = {a["name"] for a in args_spec}
+    given = dict(k_diag=k_diag, k_t_diag=k_t_diag, k_diag_scale=k_diag_scale)
+    _check_named(names, given, "this variant's S and dQ use the per-token K copy on the forward's diagonal key "
+                 "tiles (ARGS name k_diag, k_t_diag, k_diag_scale; ops.backward_with passes them)",
+                 "a diag_k variant: route k_fold")
+    if "k_diag" in names:
+        _check_tensor(k_diag, "k_diag", _FP8_CODE_DTYPES, (T, HKV, D), dev)
+    if "k_t_diag" in names:
+        _check_tensor(k_t_diag, "k_t_diag", _FP8_CODE_DTYPES, (HKV, D, None), dev)
+        _check_t_pad(k_t_diag, "k_t_diag", T, k_t.shape[2] if isinstance(k_t, torch.Tensor) else None)
+    if "k_diag_scale" in names:
+        _check_tensor(k_diag_scale, "k_diag_scale", (torch.uint8,), (T, HKV), dev)
+    return is_diag_k_spec(args_spec)
+
+
 def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
                  q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
                  dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
                  schedule: BwdSchedule | None = None, dq_sem: torch.Tensor | None = None,
                  v_diag: torch.Tensor | None = None, v_diag_scale: torch.Tensor | None = None,
-                 fwd_tile_m: int | None = None):
+                 fwd_tile_m: int | None = None, q_t_scale: torch.Tensor | None = None,
+                 do_t_scale: torch.Tensor | None = None, k_diag: torch.Tensor | None = None,
+                 k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D)).
 
@@ -338,7 +412,12 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     `diag_v` variants only (ARGS name `v_diag`; see `check_diag_v`): `v_diag` (T, HKV, D) and
     `v_diag_scale` (T, HKV), V quantized per token (the copy the forward read on its diagonal key tiles),
     and `fwd_tile_m`, the forward variant's tile_m; such a variant's schedule has no windows
-    (`bwd_windows`: its dS is scaled per 32×32 block)."""
+    (`bwd_windows`: its dS is scaled per 32×32 block).
+    Exact token-block routes (ARGS name `q_t_scale`, `do_t_scale`; see `check_rows`): `q`, `q_scale` and `do`,
+    `do_scale` are the PER-TOKEN copies of Q and dO (S and dP, D = rowsum(dO∘O) from that dO), `q_t` and `do_t`
+    the route's own token-block codes_t (dK, dV) with their scales `q_t_scale`, `do_t_scale` (T, HQ).
+    `diag_k` variants (ARGS name `k_diag`; see `check_diag_k`): the per-token K copy `k_diag` (T, HKV, D),
+    `k_t_diag` (HKV, D, T_PAD), `k_diag_scale` (T, HKV), read on the forward's diagonal key tiles."""
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
@@ -352,6 +431,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                               dq_sem=dq_sem)
     diag = check_diag_v(args_spec, T=T, HKV=HKV, D=D, dev=q.device, v_diag=v_diag, v_diag_scale=v_diag_scale,
                         fwd_tile_m=fwd_tile_m)
+    check_rows(args_spec, T=T, HQ=HQ, dev=q.device, q_t_scale=q_t_scale, do_t_scale=do_t_scale)
+    check_diag_k(args_spec, T=T, HKV=HKV, D=D, dev=q.device, k_t=k_t, k_diag=k_diag, k_t_diag=k_t_diag,
+                 k_diag_scale=k_diag_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -403,6 +485,11 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         by_name.update(q=q, k=k, v=v, do=do)
     if diag:
         by_name.update(v_diag=_as_e4m3(v_diag), v_diag_scale=v_diag_scale, fwd_tile_m=int(fwd_tile_m))
+    # exact routes' split Q, dO and diag_k's per-token K: given exactly when the ARGS name them (check_rows,
+    # check_diag_k)
+    split = dict(q_t_scale=q_t_scale, do_t_scale=do_t_scale, k_diag=k_diag, k_t_diag=k_t_diag,
+                 k_diag_scale=k_diag_scale)
+    by_name.update({n: t if n.endswith("_scale") else _as_e4m3(t) for n, t in split.items() if t is not None})
     two_pass = is_ds_tensor_spec(args_spec)
     if two_pass:
         # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
@@ -419,5 +506,6 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
 
 
 __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",
+           "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

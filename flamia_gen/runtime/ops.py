@@ -36,7 +36,7 @@ import torch
 
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
-                        saves_codes, token_copy_use)
+                        saves_codes, token_copy_do_delta, token_copy_use)
 from .attn_bwd import _is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
@@ -210,16 +210,12 @@ def forward_choice(b, bwd: dict, d: int, profile) -> dict:
     return _pick_cached(str(b.root), "attn_fwd", bwd["uses"][0], d, bool(bwd["params"]["causal"]), profile)
 
 
-def diag_v_inputs(b, bwd: dict, v, cu, profile, fwd_params: dict | None = None) -> dict:
-    """run_attn_bwd's `v_diag`, `v_diag_scale`, `fwd_tile_m` for a backward entry with PARAMS `diag_v`: V
-    quantized per token by the bundle's quantizer of the route's per-token copy (`token_copy_use`, as
-    `attention.fp8_forward_inputs` launches it for the forward's diagonal tiles: the same codes bit for bit),
-    and the forward's tile_m. `fwd_params`: PARAMS of the forward variant that produced O and LSE (None →
-    `forward_choice`, the op's forward for this call). ValueError when that forward's tile_n is not the
-    backward's fwd_tile_n (`attn_bwd.fwd_tile_n_of`: its diagonal key tiles would not be the ones the kernel
-    assumes)."""
-    params, D, root = bwd["params"], v.shape[2], str(b.root)
-    route = bwd["uses"][0]
+def paired_forward_params(b, bwd: dict, D: int, profile, fwd_params: dict | None = None) -> dict:
+    """PARAMS of the forward a backward entry with diagonal decisions (PARAMS `diag_v` or `diag_k`) repeats:
+    `fwd_params` (the forward variant that produced O and LSE) or, None, `forward_choice` (the op's forward for
+    this call). ValueError when that forward's tile_n is not the backward's fwd_tile_n (`attn_bwd.fwd_tile_n_of`:
+    its diagonal key tiles would not be the ones the kernel assumes), or its causality or head dim differ."""
+    params = bwd["params"]
     want = fwd_tile_n_of(params)
     if fwd_params is None:
         fe = forward_choice(b, bwd, D, profile)
@@ -236,10 +232,40 @@ def diag_v_inputs(b, bwd: dict, v, cu, profile, fwd_params: dict | None = None) 
     for key in ("causal", "head_dim"):
         if key in fwd_params and fwd_params[key] != params[key]:
             raise _bad("fwd_params", f"{what} has {key}={fwd_params[key]}, backward {bwd['name']} {key}={params[key]}")
+    return fwd_params
+
+
+def diag_v_inputs(b, bwd: dict, v, cu, profile, fwd_params: dict | None = None) -> dict:
+    """run_attn_bwd's `v_diag`, `v_diag_scale`, `fwd_tile_m` for a backward entry with PARAMS `diag_v`: V
+    quantized per token by the bundle's quantizer of the route's per-token copy (`token_copy_use`, as
+    `attention.fp8_forward_inputs` launches it for the forward's diagonal tiles: the same codes bit for bit),
+    and the forward's tile_m. `fwd_params`: PARAMS of the forward variant that produced O and LSE (None →
+    `forward_choice`, the op's forward for this call); refused as `paired_forward_params` says."""
+    D, root, route = v.shape[2], str(b.root), bwd["uses"][0]
+    fwd_params = paired_forward_params(b, bwd, D, profile, fwd_params)
     r, op = token_copy_use(root, route, "v", D)
     vt = _quantize(b, _pick_cached(root, "quant", r, D, None, profile, op), v, cu)
     return dict(v_diag=vt["codes"], v_diag_scale=per_token_scales(vt["scales"], v),
                 fwd_tile_m=int(fwd_params["tile_m"]))
+
+
+SPLIT_FLAGS = (("rows_q", "q_t_scale"), ("rows_do", "do_t_scale"), ("diag_k", "k_diag"))
+
+
+def split_operands(bwd: dict) -> tuple[bool, bool, bool]:
+    """(Q split, dO split, per-token K) of a backward entry, from its ARGS (the kernel's interface): an exact
+    token-block route's variant reads Q (PARAMS `rows_q`: ARGS `q_t_scale`) and dO (`rows_do`: `do_t_scale`) per
+    token in S, dP and D and their token-block codes_t in dK, dV; a `diag_k` variant (route k_fold: ARGS
+    `k_diag`) the per-token K copy on the forward's diagonal key tiles. ValueError when a PARAMS flag present in
+    the entry contradicts its ARGS (a stale or mismatched bundle entry)."""
+    names = {a["name"] for a in bwd["args"]}
+    params = bwd["params"]
+    for flag, arg in SPLIT_FLAGS:
+        if flag in params and bool(params[flag]) != (arg in names):
+            raise _bad("bwd", f"backward {bwd['name']} has PARAMS {flag}={params[flag]} but its ARGS "
+                              f"{'do not name' if params[flag] else 'name'} {arg}: the bundle entry's params and "
+                              f"kernel disagree (rebuild the bundle)")
+    return tuple(arg in names for _, arg in SPLIT_FLAGS)
 
 
 def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
@@ -249,49 +275,100 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     quantizer outputs (attention_fwd's code outputs), are given; dO with D = rowsum(dO∘O) and the
     zeroed dQ accumulator), then the kernel. → (dq, dk, dv, dq_accum). `verify` calls it with
     `poison=True` (dK, dV start as NaN: rows never written show).
-    `fwd_params`: PARAMS of the forward variant that produced `o`, `lse`; read only by a `diag_v` variant
-    (route diagonal per_key_v: `diag_v_inputs` launches the per-token V copy and refuses a forward of another
-    tile_n than its fwd_tile_n); None → the forward the op runs for this call (`forward_choice`)."""
+    `fwd_params`: PARAMS of the forward variant that produced `o`, `lse`; read only by a variant with diagonal
+    decisions (`diag_v`: route diagonal per_key_v, `diag_k`: route k_fold): such a forward of another tile_n
+    than its fwd_tile_n is refused (`paired_forward_params`); None → the forward the op runs for this call
+    (`forward_choice`).
+    Exact token-block routes (`split_operands`; Route.forward_safeguards, the emulator's prepare_backward):
+    Q is launched twice, per token (`token_copy_use`: codes, scales → q, q_scale: S = Q·Kᵀ) and token-block
+    (codes_t, scales → q_t, q_t_scale: dK = dSᵀ·Q); dO twice, the per-token copy's with_delta launch
+    (`attention.token_copy_do_delta`: codes, scales → do, do_scale: dP; delta, dq_accum) and the route's own plain
+    one (codes_t, scales → do_t, do_t_scale: dV = Pᵀ·dO); with `diag_k` K once more per token (codes, codes_t,
+    scales → k_diag, k_t_diag, k_diag_scale: S and dQ on the forward's diagonal key tiles)."""
     T, HQ, D = q.shape
     route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
     root = str(b.root)
+    split_q, split_do, diag_k = split_operands(bwd)
+    if codes and (split_q or split_do or diag_k):
+        # then q, k, v are the forward's code tensors standing in for the BF16 inputs: no copy can be made
+        raise _bad("codes", f"backward {bwd['name']} quantizes "
+                            f"{', '.join(n for n, f in (('Q', split_q), ('dO', split_do), ('K', diag_k)) if f)} twice "
+                            f"(per token and token-block) itself: it needs the BF16 q, k, v, not the forward's codes "
+                            f"(saves_codes routes have no per-token copies)")
     # the forward pairing first: a refused forward raises before any launch
     diag = {}
-    if params.get("diag_v"):
+    if params.get("diag_v") or diag_k:
         if codes:  # then v is the V code tensor standing in for the BF16 v (attention_bwd): no copy can be made
             raise _bad("codes", f"backward {bwd['name']} (diag_v) quantizes V per token itself: it needs the BF16 v, "
                                 f"not the forward's codes (saves_codes routes have no diagonal copies)")
-        diag = diag_v_inputs(b, bwd, v, cu, profile, fwd_params)
-    sched = bwd_schedule_cached(cu, T, params, fp8)
+        fwd_params = paired_forward_params(b, bwd, D, profile, fwd_params)
+    # every quantizer picked before any launch (a bundle without one raises NoKernelError first). The dO launch
+    # (with_delta): an exact route's comes from the per-token copy of dO (dP and D read it)
+    do_entry = token_copy_do_delta(root, route, D, profile) if split_do else pick_do_delta(root, route, D, profile)
     if not fp8:
+        sched = bwd_schedule_cached(cu, T, params, fp8)
         # bf16 route: nothing to quantize; its dO launch writes delta = rowsum(dO∘O) (HQ, T) fp32 and the
         # zeroed dq_accum in one pass (templates/common/do_delta_body.py.j2)
-        dl = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)
+        dl = _quantize(b, do_entry, do, cu, o=o)
         return run_attn_bwd(fn, args, q, k, v, do, lse, dl["delta"], cu_seqlens=cu, params=params,
                             dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
+
+    def pick(op, per_token=False):
+        # the route's quantizer of `op`, or (per_token) the bundled per-token copy the forward launched
+        r, o_ = token_copy_use(root, route, op, D) if per_token else (route, op)
+        return _pick_cached(root, "quant", r, D, None, profile, o_)
+
+    # a ds16 variant (fp8_pv: dK, dQ in BF16) reads no Q, K codes
+    qk = not is_ds16_spec(args)
+    ent = {}
+    if not codes:
+        if qk:
+            ent["q"] = pick("q", split_q)  # S = Q·Kᵀ: per token on an exact route (rows_q)
+            if split_q:
+                ent["q_t"] = pick("q")  # dK = dSᵀ·Q: the route's own token-block Q
+            ent["k"] = pick("k")
+            if diag_k:
+                ent["k_diag"] = pick("k", True)  # S and dQ on the forward's diagonal key tiles
+        ent["v"] = pick("v")
+    if split_do:
+        ent["do_t"] = pick("do")  # dV = Pᵀ·dO: the route's own token-block dO (a plain launch)
+    if params.get("diag_v"):
+        diag = diag_v_inputs(b, bwd, v, cu, profile, fwd_params)
+    sched = bwd_schedule_cached(cu, T, params, fp8)
+    extra = {}
     if codes:
         # the forward's own codes (attention_fwd kept them: saves_codes)
         it = iter(codes)
         qq, kq, vq = ({f: next(it) for f in SAVED_FIELDS[op]} for op in SAVED_OPERANDS)
+        qt = qq
     else:
-        # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit);
-        # a ds16 variant (fp8_pv: dK, dQ in BF16) reads no Q, K codes
-        qk = not is_ds16_spec(args)
-        qq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "q"), q, cu) if qk else None
-        kq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "k"), k, cu) if qk else None
-        vq = _quantize(b, _pick_cached(root, "quant", route, D, None, profile, "v"), v, cu)
-    dq_ = _quantize(b, pick_do_delta(root, route, D, profile), do, cu, o=o)  # the dO launch (with_delta)
+        # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
+        qq = _quantize(b, ent["q"], q, cu) if qk else None
+        qt = _quantize(b, ent["q_t"], q, cu) if "q_t" in ent else qq
+        kq = _quantize(b, ent["k"], k, cu) if qk else None
+        if "k_diag" in ent:
+            kd = _quantize(b, ent["k_diag"], k, cu)
+            extra.update(k_diag=kd["codes"], k_t_diag=kd["codes_t"], k_diag_scale=per_token_scales(kd["scales"], k))
+        vq = _quantize(b, ent["v"], v, cu)
+        if "q_t" in ent:
+            extra["q_t_scale"] = per_token_scales(qt["scales"], q)
+    dq_ = _quantize(b, do_entry, do, cu, o=o)  # the dO launch (with_delta): do, do_scale, delta, dq_accum
+    dt = dq_
+    if split_do:
+        # dP = dO·Vᵀ and D = rowsum(dO∘O) read the per-token copy (dq_), dV = Pᵀ·dO the route's own dO
+        dt = _quantize(b, ent["do_t"], do, cu)
+        extra["do_t_scale"] = per_token_scales(dt["scales"], do)
     # scores_bf16: Sᵀ = K·Qᵀ takes the BF16 q, k; their codes_t and scales (if any) serve dK, dQ
     sbf16 = is_scores_bf16_spec(args)
-    qkc = {} if qq is None else dict(q_t=qq["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
+    qkc = {} if qq is None else dict(q_t=qt["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
                                      k_scale=per_token_scales(kq["scales"], k))
     return run_attn_bwd(
         fn, args, q.contiguous() if sbf16 else qq["codes"], k.contiguous() if sbf16 else kq["codes"], vq["codes"],
-        dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dq_["codes_t"], **qkc,
+        dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dt["codes_t"], **qkc,
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
-        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, **diag)
+        dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, **diag, **extra)
 
 
 @torch.library.custom_op("flamia::attention_bwd", mutates_args=())

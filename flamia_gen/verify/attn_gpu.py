@@ -234,6 +234,12 @@ def expected_grad_cosine(route: str) -> float:
     return BWD_FP32_COSINE_ROUTE.get(route, BWD_FP32_COSINE_8BIT)
 
 
+def has_diagonal(params: dict) -> bool:
+    """A backward variant (PARAMS `params`) that repeats the forward's diagonal decisions: per-token V (`diag_v`,
+    route diagonal per_key_v) or per-token K (`diag_k`, route k_fold) on the forward's diagonal key tiles."""
+    return bool(params.get("diag_v") or params.get("diag_k"))
+
+
 def forward_entry_for(bundle, bwd_entry: dict) -> dict:
     """The forward variant whose O and LSE a backward variant is checked and timed with: the bundle's first
     (manifest order) attn_fwd variant of the same route, causality and head dim.
@@ -242,15 +248,17 @@ def forward_entry_for(bundle, bwd_entry: dict) -> dict:
     backward takes as given). Not on a route with diagonal decisions (`diagonal: per_key_v`): the forward's
     query and key tiles decide on which key tiles V is read per token, so a `diag_v` backward (PARAMS
     `diag_v`) pairs only with a forward of tile_n == its fwd_tile_n (`fwd_tile_n_of`; told that forward's
-    tile_m: `ops.backward_with(fwd_params=...)`); such an entry gets the first forward with that tile_n."""
+    tile_m: `ops.backward_with(fwd_params=...)`); such an entry gets the first forward with that tile_n. Likewise a
+    `diag_k` backward (route k_fold: per-token K on the forward's diagonal key tiles; `has_diagonal`)."""
     p = bwd_entry["params"]
-    want_n = fwd_tile_n_of(p) if p.get("diag_v") else None
+    want_n = fwd_tile_n_of(p) if has_diagonal(p) else None
     for e in bundle.manifest["variants"]:
         ep = e["params"]
         if e["kind"] == "attn_fwd" and e["uses"] == bwd_entry["uses"] and ep["causal"] == p["causal"] \
                 and ep["head_dim"] == p["head_dim"] and (want_n is None or ep.get("tile_n") == want_n):
             return e
-    extra = "" if want_n is None else f" tile_n={want_n} (the diag_v backward's fwd_tile_n)"
+    kinds = "/".join(f for f in ("diag_v", "diag_k") if p.get(f))
+    extra = "" if want_n is None else f" tile_n={want_n} (the {kinds} backward's fwd_tile_n)"
     raise LookupError(f"bundle has no attn_fwd variant for route {bwd_entry['uses'][0]!r} causal={p['causal']} "
                       f"head_dim={p['head_dim']}{extra}: the backward needs the forward's O and LSE")
 
@@ -280,9 +288,11 @@ def _run_bwd(bundle, entry, q, k, v, do, cu, poison=True):
 
 def emulator_forward_tiles(bundle, entry: dict) -> dict:
     """attention_backward's keyword arguments for the forward's tiles (its diagonal decisions): the
-    forward `forward_entry_for` pairs with a `diag_v` entry (fwd_tile_m, fwd_tile_n); {} for every other
-    entry (the emulator then takes the backward's tiles, as before)."""
-    if not entry["params"].get("diag_v"):
+    forward `forward_entry_for` pairs with a `diag_v` or `diag_k` entry (fwd_tile_m, fwd_tile_n: `has_diagonal`);
+    {} for every other entry (the emulator then takes the backward's tiles, as before). A diag_k (k_fold) entry's
+    fwd_tile_n is its tile_n (`fwd_tile_n_of`): the emulator's FP8 model takes dS·K's K copy per key tile and
+    refuses other forward tiles (numerics.reference_route.route_backward)."""
+    if not has_diagonal(entry["params"]):
         return {}
     fp = forward_entry_for(bundle, entry)["params"]
     return dict(fwd_tile_m=fp["tile_m"], fwd_tile_n=fp["tile_n"])
@@ -340,7 +350,7 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
     route = get_route(entry["uses"][0])
     params = entry["params"]
     causal = params["causal"]
-    # diag_v entries: the emulator repeats the diagonal decisions of the forward the kernel was paired with
+    # diag_v, diag_k entries: the emulator repeats the diagonal decisions of the forward the kernel was paired with
     fwd_tiles = emulator_forward_tiles(bundle, entry)
     gen = torch.Generator().manual_seed(seed)
     rows = []
