@@ -116,7 +116,8 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
     per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
     ds = 2 * m * n * elem_bytes
-    if elem_bytes == 1 and params.get("scores_bf16"):  # K and Q as BF16 tiles for Sᵀ = K·Qᵀ
+    # K and Q as BF16 tiles for Sᵀ = K·Qᵀ (scores_bf16; nvfp4_mixed: NVFP4 dequantized to BF16)
+    if elem_bytes == 1 and (params.get("scores_bf16") or params.get("q_fmt") == "e2m1"):
         kv += n * d
         per_stage += m * d
         if params.get("ds_fmt") == "bf16":  # fp8_pv: no Kᵀ, Qᵀ codes; dS in BF16

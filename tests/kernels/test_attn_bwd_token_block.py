@@ -211,3 +211,35 @@ def test_compile_exact(compile_sm90, tmp_path, causal):
     assert r.returncode == 0, r.stderr[-2000:]
     for code in ("C7511", "C7512", "C7515"):
         assert code not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+# ----------------------------------------------------------------------------- nvfp4_mixed (NVFP4 Q, K in Sᵀ only)
+MIXED = _variants("nvfp4_mixed")
+
+
+def test_nvfp4_mixed_render():
+    v = next(v for v in MIXED if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+    src = render_variant(v)
+    lit = _literals(src)
+    dt = {a["name"]: a["dtype"] for a in lit["ARGS"]}
+    # Sᵀ on q, k dequantized to BF16 (the scores_bf16 path) with ts_q·ts_k in x; dK, dQ on E4M3 token-block copies
+    assert dt["q"] == dt["k"] == "bfloat16" and dt["q_t"] == dt["k_t"] == "float8_e4m3fn"
+    assert [a["name"] for a in lit["ARGS"]][-4:] == ["v_diag", "v_diag_scale", "fwd_tile_m", "qk_tensor_scale"]
+    assert lit["PARAMS"]["qk_nvfp4"] is True and lit["PARAMS"]["diag_v"] is True
+    assert "qk_scale_log2 = mQkts[0] * scale_log2" in src and "= qk_scale_log2  # NVFP4" in src
+    assert "p = ex2(acc_S[i] * qx[cp] - lse2[cp])" in src and "self.gemm(tiled_mma_s, acc_S, tSrK" in src
+    nc = _literals(render_variant(next(v for v in MIXED if v.param("head_dim") == 128 and not v.param("causal"))))
+    assert [a["name"] for a in nc["ARGS"]][-1] == "qk_tensor_scale" and "v_diag" not in [a["name"] for a in nc["ARGS"]]
+    for w in MIXED:
+        p = dict(w.params)
+        assert attn_bwd_smem_bytes(p, 1) == attn_bwd_smem_bytes(dict(p, q_fmt="e4m3"), 1) + 128 * p["head_dim"] + \
+            2 * 64 * p["head_dim"]  # BF16 K, and Q per stage, beside the codes
+        assert attn_bwd_smem_bytes(p, 1) <= SMEM_LIMIT[Arch.sm90]
+
+
+@pytest.mark.compile
+def test_compile_nvfp4_mixed(compile_sm90):
+    v = next(v for v in MIXED if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+    ptx = compile_sm90(v)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # Sᵀ = K·Qᵀ on BF16
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK
