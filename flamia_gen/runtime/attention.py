@@ -232,23 +232,48 @@ def saves_codes(route: str) -> bool:
                                                              and not o.hadamard for o in ops)
 
 
+# The representation of an NVFP4 (E2M1) operand's copies: E4M3, ceil exponent rule. On the backward's dK = dSᵀ·Q and
+# dQ = dS·K an NVFP4 Q, K is read as its E4M3 token-block (ceil) copy (numerics.reference_route._product_spec,
+# `_E4M3_TB`: "NVFP4 is QKᵀ-only"); only Sᵀ = K·Qᵀ reads the NVFP4 codes.
+NVFP4_COPY_REP = {"fmt": "e4m3", "exponent_rule": "ceil"}
+COPY_GRANULARITIES = ("token", "token_block")
+
+
+def copy_rep(own: dict) -> dict:
+    """Format and exponent rule of the copies of an operand whose own quantizer has PARAMS `own`: its own, except
+    for an NVFP4 operand (fmt e2m1), whose copies are E4M3 with the ceil rule (`NVFP4_COPY_REP`)."""
+    if own.get("fmt") == "e2m1":
+        return dict(NVFP4_COPY_REP)
+    return {"fmt": own["fmt"], "exponent_rule": own["exponent_rule"]}
+
+
 @lru_cache(maxsize=64)
-def token_copy_use(root: str, route: str, operand: str, d: int) -> tuple[str, str]:
-    """(route, operand) served by a bundled quantizer that writes `operand` of `route` per token:
-    the same format and exponent rule, granularity `token` (the copies the token-block routes'
-    safeguards read: Route.forward_safeguards). NoKernelError when the bundle has none."""
+def token_copy_use(root: str, route: str, operand: str, d: int, granularity: str = "token") -> tuple[str, str]:
+    """(route, operand) served by a bundled quantizer that writes `operand` of `route` at `granularity`: the same
+    format and exponent rule (`copy_rep`: E4M3, ceil for an NVFP4 operand), no rotation, not a dO launch.
+    `granularity="token"` (default): the per-token copies the token-block routes' safeguards read
+    (Route.forward_safeguards); `"token_block"`: the E4M3 token-block copies an NVFP4 route's backward reads in
+    dK = dSᵀ·Q and dQ = dS·K (route nvfp4_mixed: the emulator's `_product_spec`). The first such quantizer by name
+    answers, with the first (route, operand) it serves. NoKernelError when the bundle has none (or no quantizer of
+    route.operand itself)."""
+    if granularity not in COPY_GRANULARITIES:
+        raise ValueError(f"granularity: {granularity!r}, expected one of {COPY_GRANULARITIES}")
     b = _bundle(root)
     own = b.for_use(route, operand, "quant", head_dim=d, with_delta=False)
     if not own:
         raise NoKernelError(f"no quantizer for {route}.{operand} (head_dim={d}) on {ARCH} in bundle {root}")
-    p = own[0]["params"]
+    p = copy_rep(own[0]["params"])
     for v in sorted(b.manifest["variants"], key=lambda e: e["name"]):
         vp = v["params"]
-        if v["kind"] == "quant" and _is_token_copy(vp, p, d) and not vp.get("with_delta") and v["uses"]:
+        if v["kind"] == "quant" and _is_copy(vp, p, d, granularity) and not vp.get("with_delta") and v["uses"]:
             r, op = v["uses"][0].split(".")
             return r, op
-    raise NoKernelError(f"no per-token {p['fmt']} quantizer (the diagonal-tile copy of {route}.{operand}, "
-                        f"head_dim={d}) on {ARCH} in bundle {root}")
+    if granularity == "token":
+        raise NoKernelError(f"no per-token {p['fmt']} quantizer (the diagonal-tile copy of {route}.{operand}, "
+                            f"head_dim={d}) on {ARCH} in bundle {root}")
+    raise NoKernelError(f"no token-block {p['fmt']} ({p['exponent_rule']}) quantizer (the copy of {route}.{operand} "
+                        f"that dK = dSᵀ·Q and dQ = dS·K read, head_dim={d}) on {ARCH} in bundle {root}: bundle a "
+                        f"route whose operands are token-block {p['fmt']} {p['exponent_rule']} (mxfp8) too")
 
 
 def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
@@ -373,11 +398,17 @@ def pick_do_delta(root: str, route: str, d: int, profile) -> dict:
     return sorted(cands, key=lambda v: v["name"])[0]
 
 
+def _is_copy(vp: dict, own: dict, d: int, granularity: str) -> bool:
+    """Quantizer PARAMS `vp` write the copy at `granularity` of the representation `own` (its `fmt` and
+    `exponent_rule`; no rotation, head dim d): what `token_copy_use` looks for."""
+    return (vp.get("granularity") == granularity and vp.get("fmt") == own["fmt"]
+            and vp.get("exponent_rule") == own["exponent_rule"] and not vp.get("hadamard") and vp.get("head_dim") == d)
+
+
 def _is_token_copy(vp: dict, own: dict, d: int) -> bool:
     """Quantizer PARAMS `vp` write the per-token copy of the representation PARAMS `own` (same format and exponent
     rule, granularity `token`, no rotation, head dim d): what `token_copy_use` looks for."""
-    return (vp.get("granularity") == "token" and vp.get("fmt") == own["fmt"]
-            and vp.get("exponent_rule") == own["exponent_rule"] and not vp.get("hadamard") and vp.get("head_dim") == d)
+    return _is_copy(vp, own, d, "token")
 
 
 @lru_cache(maxsize=64)

@@ -235,7 +235,9 @@ def _as_e5m2(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_scores_bf16_spec(args_spec: Sequence[dict]) -> bool:
-    """An FP8 backward whose Sᵀ = K·Qᵀ takes the BF16 q, k (route field scores_bf16)."""
+    """An FP8 backward whose Sᵀ = K·Qᵀ takes BF16 q, k: the BF16 inputs themselves (route field scores_bf16) or NVFP4
+    Q, K dequantized to BF16 (route nvfp4_mixed: `is_qk_nvfp4_spec`, whose ARGS add `qk_tensor_scale`). Either way
+    their E4M3 codes_t and scales (q_t, k_t, q_scale, k_scale) serve dK, dQ (`check_bwd_inputs(scores_bf16=True)`)."""
     return _is_fp8_spec(args_spec) and any(a["name"] == "q" and a["dtype"] == "bfloat16" for a in args_spec)
 
 
@@ -385,6 +387,35 @@ def check_diag_k(args_spec: Sequence[dict], *, T: int, HKV: int, D: int, dev, k_
     return is_diag_k_spec(args_spec)
 
 
+QK_NVFP4_ARGS = ("qk_tensor_scale",)  # an NVFP4 route's Q, K tensor scales (ts_q·ts_k) in Sᵀ = K·Qᵀ
+
+
+def is_qk_nvfp4_spec(args_spec: Sequence[dict]) -> bool:
+    """A backward whose Sᵀ = K·Qᵀ recomputes the forward's NVFP4 scores (route nvfp4_mixed, PARAMS `qk_nvfp4`): `q`,
+    `k` are NVFP4 Q, K dequantized to BF16 (code·block scale: runtime.nvfp4), their fp32 tensor scales come as one
+    device scalar: its ARGS take `qk_tensor_scale`. Such a variant is also `is_scores_bf16_spec` (BF16 q, k), and
+    its q_t, k_t, q_scale, k_scale are the E4M3 token-block copies of Q, K that dK, dQ read."""
+    return any(a["name"] in QK_NVFP4_ARGS for a in args_spec)
+
+
+def check_qk_tensor_scale(args_spec: Sequence[dict], *, dev, qk_tensor_scale=None) -> bool:
+    """Validate the NVFP4 tensor scales of an nvfp4 backward's Sᵀ = K·Qᵀ; returns whether the variant takes them.
+    `qk_tensor_scale` is required exactly when the ARGS name it and refused otherwise: ts_q·ts_k, float32 (1,),
+    contiguous on q's device (no host sync: the product of the two NVFP4 launches' tensor scales,
+    `runtime.nvfp4.mixed_qk_inputs`). Its variant's q, k must be BF16 (`is_scores_bf16_spec`)."""
+    names = {a["name"] for a in args_spec}
+    _check_named(names, dict(qk_tensor_scale=qk_tensor_scale),
+                 "this variant's Sᵀ = K·Qᵀ reads NVFP4 Q, K dequantized to BF16 without their tensor scales: pass "
+                 "ts_q·ts_k as qk_tensor_scale (ARGS name it; ops.backward_with passes it)",
+                 "an NVFP4 route's qk_nvfp4 variant")
+    if "qk_tensor_scale" not in names:
+        return False
+    _need(is_scores_bf16_spec(args_spec), "args_spec", "names qk_tensor_scale but not BF16 q, k: an NVFP4 "
+          "backward's Sᵀ = K·Qᵀ takes the dequantized BF16 Q, K (ARGS q, k bfloat16)")
+    _check_tensor(qk_tensor_scale, "qk_tensor_scale", (torch.float32,), (1,), dev)
+    return True
+
+
 def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_seqlens, params: dict,
                  q_t=None, k_t=None, do_t=None, q_scale=None, k_scale=None, v_scale=None, do_scale=None,
                  dq_accum=None, softmax_scale: float | None = None, poison: bool = False,
@@ -392,7 +423,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                  v_diag: torch.Tensor | None = None, v_diag_scale: torch.Tensor | None = None,
                  fwd_tile_m: int | None = None, q_t_scale: torch.Tensor | None = None,
                  do_t_scale: torch.Tensor | None = None, k_diag: torch.Tensor | None = None,
-                 k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None):
+                 k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None,
+                 qk_tensor_scale: torch.Tensor | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D)).
 
@@ -417,7 +449,10 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     `do_scale` are the PER-TOKEN copies of Q and dO (S and dP, D = rowsum(dO∘O) from that dO), `q_t` and `do_t`
     the route's own token-block codes_t (dK, dV) with their scales `q_t_scale`, `do_t_scale` (T, HQ).
     `diag_k` variants (ARGS name `k_diag`; see `check_diag_k`): the per-token K copy `k_diag` (T, HKV, D),
-    `k_t_diag` (HKV, D, T_PAD), `k_diag_scale` (T, HKV), read on the forward's diagonal key tiles."""
+    `k_t_diag` (HKV, D, T_PAD), `k_diag_scale` (T, HKV), read on the forward's diagonal key tiles.
+    NVFP4 variants (route nvfp4_mixed, ARGS name `qk_tensor_scale`; see `check_qk_tensor_scale`): `q`, `k` are the
+    NVFP4 Q, K dequantized to BF16 (code·block scale) that Sᵀ = K·Qᵀ reads, `qk_tensor_scale` fp32 (1,) their tensor
+    scales ts_q·ts_k on the device; `q_t`, `q_scale`, `k_t`, `k_scale` the E4M3 token-block copies of Q, K (dK, dQ)."""
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
@@ -434,6 +469,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     check_rows(args_spec, T=T, HQ=HQ, dev=q.device, q_t_scale=q_t_scale, do_t_scale=do_t_scale)
     check_diag_k(args_spec, T=T, HKV=HKV, D=D, dev=q.device, k_t=k_t, k_diag=k_diag, k_t_diag=k_t_diag,
                  k_diag_scale=k_diag_scale)
+    nvfp4 = check_qk_tensor_scale(args_spec, dev=q.device, qk_tensor_scale=qk_tensor_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device
@@ -490,6 +526,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     split = dict(q_t_scale=q_t_scale, do_t_scale=do_t_scale, k_diag=k_diag, k_t_diag=k_t_diag,
                  k_diag_scale=k_diag_scale)
     by_name.update({n: t if n.endswith("_scale") else _as_e4m3(t) for n, t in split.items() if t is not None})
+    if nvfp4:
+        by_name["qk_tensor_scale"] = qk_tensor_scale
     two_pass = is_ds_tensor_spec(args_spec)
     if two_pass:
         # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
@@ -507,5 +545,6 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
 
 __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
+           "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

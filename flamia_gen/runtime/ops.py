@@ -37,7 +37,8 @@ import torch
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
                         saves_codes, token_copy_do_delta, token_copy_use)
-from .attn_bwd import _is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
+from .attn_bwd import _is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_qk_nvfp4_spec, is_scores_bf16_spec, run_attn_bwd
+from .nvfp4 import mixed_qk_inputs
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
 __all__ = ["attention", "known_routes", "NoKernelError"]
@@ -268,6 +269,26 @@ def split_operands(bwd: dict) -> tuple[bool, bool, bool]:
     return tuple(arg in names for _, arg in SPLIT_FLAGS)
 
 
+def qk_nvfp4_operands(bwd: dict) -> bool:
+    """Whether a backward entry recomputes Sᵀ = K·Qᵀ from NVFP4 Q, K (route nvfp4_mixed), from its ARGS (the kernel's
+    interface: `qk_tensor_scale`, `attn_bwd.is_qk_nvfp4_spec`). ValueError when its PARAMS say otherwise: the rendered
+    module's `qk_nvfp4`, or the plan's `q_fmt` (e2m1: NVFP4 Q) when that flag is absent (a bundle manifest's params
+    are the plan's) — an entry rendered before the template knew the route would read FP8 Q, K codes the NVFP4
+    quantizers do not write."""
+    nv = is_qk_nvfp4_spec(bwd["args"])
+    params = bwd["params"]
+    if "qk_nvfp4" in params:
+        flag, what = bool(params["qk_nvfp4"]), f"qk_nvfp4={params['qk_nvfp4']}"
+    elif "q_fmt" in params:
+        flag, what = params["q_fmt"] == "e2m1", f"q_fmt={params['q_fmt']}"
+    else:
+        return nv
+    if flag != nv:
+        raise _bad("bwd", f"backward {bwd['name']} has PARAMS {what} but its ARGS {'do not name' if flag else 'name'} "
+                          f"qk_tensor_scale: the bundle entry's params and kernel disagree (rebuild the bundle)")
+    return nv
+
+
 def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
                   poison: bool = False, codes=None, fwd_params: dict | None = None):
     """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
@@ -284,13 +305,24 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     (codes_t, scales → q_t, q_t_scale: dK = dSᵀ·Q); dO twice, the per-token copy's with_delta launch
     (`attention.token_copy_do_delta`: codes, scales → do, do_scale: dP; delta, dq_accum) and the route's own plain
     one (codes_t, scales → do_t, do_t_scale: dV = Pᵀ·dO); with `diag_k` K once more per token (codes, codes_t,
-    scales → k_diag, k_t_diag, k_diag_scale: S and dQ on the forward's diagonal key tiles)."""
+    scales → k_diag, k_t_diag, k_diag_scale: S and dQ on the forward's diagonal key tiles).
+    NVFP4 routes (`qk_nvfp4_operands`: nvfp4_mixed; the emulator's `_product_spec`): Q and K are launched twice, by
+    the route's NVFP4 quantizers (→ `runtime.nvfp4.mixed_qk_inputs`: q, k dequantized to BF16 and qk_tensor_scale =
+    ts_q·ts_k, as the forward had them: Sᵀ = K·Qᵀ) and by the bundle's E4M3 token-block (ceil) quantizer
+    (`attention.token_copy_use(granularity="token_block")`: codes_t, scales → q_t, q_scale, k_t, k_scale: dK = dSᵀ·Q,
+    dQ = dS·K); V, dO (and the diagonal V copy) as mxfp8."""
     T, HQ, D = q.shape
     route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
     fp8 = _is_fp8_spec(args)
     root = str(b.root)
     split_q, split_do, diag_k = split_operands(bwd)
+    nv = qk_nvfp4_operands(bwd)
+    if codes and nv:
+        # then q, k are the forward's code tensors standing in for the BF16 inputs: nothing to quantize to NVFP4
+        raise _bad("codes", f"backward {bwd['name']} quantizes Q and K twice (NVFP4 for Sᵀ, E4M3 token-block for dK, "
+                            f"dQ) itself: it needs the BF16 q, k, v, not the forward's codes (an NVFP4 route keeps "
+                            f"none: attention.saves_codes)")
     if codes and (split_q or split_do or diag_k):
         # then q, k, v are the forward's code tensors standing in for the BF16 inputs: no copy can be made
         raise _bad("codes", f"backward {bwd['name']} quantizes "
@@ -315,9 +347,11 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         return run_attn_bwd(fn, args, q, k, v, do, lse, dl["delta"], cu_seqlens=cu, params=params,
                             dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison)
 
-    def pick(op, per_token=False):
-        # the route's quantizer of `op`, or (per_token) the bundled per-token copy the forward launched
-        r, o_ = token_copy_use(root, route, op, D) if per_token else (route, op)
+    def pick(op, copy=None):
+        # the route's quantizer of `op`, or the bundled copy of it at granularity `copy`: per token ("token", what
+        # the forward launched for its diagonal tiles and rows) or E4M3 token-block ("token_block": NVFP4 Q, K in
+        # dK, dQ)
+        r, o_ = token_copy_use(root, route, op, D, copy) if copy else (route, op)
         return _pick_cached(root, "quant", r, D, None, profile, o_)
 
     # a ds16 variant (fp8_pv: dK, dQ in BF16) reads no Q, K codes
@@ -325,12 +359,16 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     ent = {}
     if not codes:
         if qk:
-            ent["q"] = pick("q", split_q)  # S = Q·Kᵀ: per token on an exact route (rows_q)
+            ent["q"] = pick("q", "token" if split_q else None)  # S = Q·Kᵀ: per token on an exact route (rows_q)
             if split_q:
                 ent["q_t"] = pick("q")  # dK = dSᵀ·Q: the route's own token-block Q
+            elif nv:
+                ent["q_t"] = pick("q", "token_block")  # dK = dSᵀ·Q: NVFP4 Q's E4M3 token-block copy
             ent["k"] = pick("k")
+            if nv:
+                ent["k_t"] = pick("k", "token_block")  # dQ = dS·K: NVFP4 K's E4M3 token-block copy
             if diag_k:
-                ent["k_diag"] = pick("k", True)  # S and dQ on the forward's diagonal key tiles
+                ent["k_diag"] = pick("k", "token")  # S and dQ on the forward's diagonal key tiles
         ent["v"] = pick("v")
     if split_do:
         ent["do_t"] = pick("do")  # dV = Pᵀ·dO: the route's own token-block dO (a plain launch)
@@ -348,11 +386,17 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         qq = _quantize(b, ent["q"], q, cu) if qk else None
         qt = _quantize(b, ent["q_t"], q, cu) if "q_t" in ent else qq
         kq = _quantize(b, ent["k"], k, cu) if qk else None
+        if nv:
+            # Sᵀ = K·Qᵀ on the NVFP4 Q, K as the forward had them (BF16 code·block scale, ts_q·ts_k on the device);
+            # q_t, q_scale, k_t, k_scale from the E4M3 token-block copies
+            mixed = mixed_qk_inputs(qq, kq)
+            extra["qk_tensor_scale"] = mixed["qk_tensor_scale"]
+            qq, kq = qt, _quantize(b, ent["k_t"], k, cu)
         if "k_diag" in ent:
             kd = _quantize(b, ent["k_diag"], k, cu)
             extra.update(k_diag=kd["codes"], k_t_diag=kd["codes_t"], k_diag_scale=per_token_scales(kd["scales"], k))
         vq = _quantize(b, ent["v"], v, cu)
-        if "q_t" in ent:
+        if split_q:
             extra["q_t_scale"] = per_token_scales(qt["scales"], q)
     dq_ = _quantize(b, do_entry, do, cu, o=o)  # the dO launch (with_delta): do, do_scale, delta, dq_accum
     dt = dq_
@@ -364,8 +408,12 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     sbf16 = is_scores_bf16_spec(args)
     qkc = {} if qq is None else dict(q_t=qt["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
                                      k_scale=per_token_scales(kq["scales"], k))
+    if nv:
+        q_in, k_in = mixed["q"], mixed["k"]
+    else:
+        q_in, k_in = (q.contiguous(), k.contiguous()) if sbf16 else (qq["codes"], kq["codes"])
     return run_attn_bwd(
-        fn, args, q.contiguous() if sbf16 else qq["codes"], k.contiguous() if sbf16 else kq["codes"], vq["codes"],
+        fn, args, q_in, k_in, vq["codes"],
         dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dt["codes_t"], **qkc,
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
         dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, **diag, **extra)

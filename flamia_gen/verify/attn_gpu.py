@@ -226,7 +226,13 @@ BWD_FP32_COSINE_8BIT = 0.997
 # E5M2 dS under one tensor-wide scale keeps 2 mantissa bits for every dS of the call (emulator vs fp32 0.996,
 # tests/numerics/test_reference.py; H200 kernels 2026-12-01: 0.9956-0.9959 at D = 64 and 128, close to the emulator's
 # 0.996). The floor checks the kernel against what the route can give, not the 0.997.
-BWD_FP32_COSINE_ROUTE = {"fp8_tensor": 0.995}
+# nvfp4_mixed: Sᵀ = K·Qᵀ recomputed from NVFP4 Q, K (E2M1, 16-element E4M3 block scales) as the forward's, whose O
+# floor is 0.99 (verify.cpu EXPECT_O_COSINE); its emulated backward (route_backward, mma="sm90_fp8", the kernel's
+# tiles 64 x 128, key_align 16, paired forwards of tile_m 128 and 192) vs fp32 on the CPU, 2026-12-02: dQ 0.9920,
+# dK 0.9920, dV 0.993-0.995 on Gaussian and tiny-document inputs (causal), D = 64 and 128. H200 kernels 2026-12-02
+# (vs the emulator 0.999997-0.999998): causal 0.9916-0.9924, non-causal 0.9897-0.9913 (dK lowest): the route's own
+# numerics, so the floor sits below them.
+BWD_FP32_COSINE_ROUTE = {"fp8_tensor": 0.995, "nvfp4_mixed": 0.985}
 
 
 def expected_grad_cosine(route: str) -> float:

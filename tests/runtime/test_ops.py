@@ -414,7 +414,7 @@ def _gpu_bundle(route):
 # two-launch backward of a tensor-scaled dS (first run on the H200 on 2026-12-01, second session)
 GPU_CASES = [("fp8_token", True), ("fp8_token", False), ("bf16", True), ("fp8_token_bf16qk", True),
              ("fp8_pv", True), ("fp8_pv", False), ("fp8_tensor", True), ("mxfp8", True), ("mxfp8_exact", True),
-             ("mxfp8_exact", False)]
+             ("mxfp8_exact", False), ("nvfp4_mixed", True)]
 
 
 def _gpu_inputs(grad=False, seed=0):
