@@ -42,7 +42,7 @@ def _is_det(v) -> bool:
     return bool(dict(v.params).get("deterministic", False))  # only deterministic variants carry the key
 
 
-ROUTES = ("bf16", "fp8_tensor", "fp8_token", "fp8_token_bf16qk", "fp8_pv")
+ROUTES = ("bf16", "fp8_tensor", "fp8_token", "fp8_token_bf16qk", "fp8_pv", "mxfp8", "mxfp8_exact", "nvfp4_mixed")
 
 
 def test_family_expands_to_eight_variants_per_head_dim(variants):
@@ -65,7 +65,14 @@ def test_render_deterministic_and_parses(variants):
         if v.route == "fp8_tensor":  # tensor-scaled dS: two launches around the call's dS amax
             tail += ["ds_amax", "amax_pass"]
         names = [x["name"] for x in lit["ARGS"]]
-        if v.route in ("fp8_tensor", "fp8_token", "fp8_token_bf16qk"):  # (bf16qk: q, k BF16, the codes in q_t, k_t)
+        causal = v.param("causal")
+        if v.route in ("mxfp8", "mxfp8_exact", "nvfp4_mixed"):  # after the tail: the token-block routes' extras
+            tail += (["v_diag", "v_diag_scale", "fwd_tile_m"] if causal else []) + {
+                "mxfp8": [], "mxfp8_exact": ["q_t_scale", "do_t_scale"] + (["k_diag", "k_t_diag", "k_diag_scale"]
+                                                                           if causal else []),
+                "nvfp4_mixed": ["qk_tensor_scale"]}[v.route]
+        if v.route in ("fp8_tensor", "fp8_token", "fp8_token_bf16qk", "mxfp8", "mxfp8_exact", "nvfp4_mixed"):
+            # (bf16qk, nvfp4_mixed: q, k BF16, the codes in q_t, k_t)
             assert names == ["q", "q_t", "q_scale", "k", "k_t", "k_scale", "v", "v_scale", "do", "do_t",
                              "do_scale"] + tail
             assert lit["KEY_ALIGN"] == 16
