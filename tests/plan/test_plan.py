@@ -220,3 +220,25 @@ def test_backward_smem_counts_the_dq_staging_tile():
     ok, why = check_attn_bwd(Arch.sm90, 2, dict(p, stages=3))
     assert not ok and "239232" in why
     assert check_attn_bwd(Arch.sm90, 1, dict(p, stages=3))[0]
+
+
+def test_token_block_routes_pair_forward_and_backward_tiles_and_bundle_their_copies():
+    """Causal forwards with diagonal safeguards keep tile_n 128 (the sm90 backward repeats their diagonal decisions on
+    its 128-key tiles); non-causal ones keep every tile_n. A route-filtered plan (flamia-gen bundle --route) holds the
+    per-token quantizers the route's kernels read (the forward's diagonal copies, the exact route's rows)."""
+    from flamia_gen.plan.feasibility import BWD_KEY_TILE_SM90
+
+    specs = load_specs()
+    plan = make_plan(specs, arch="sm90", routes=["mxfp8_exact"])
+    fwd = [v for v in plan.variants if v.kind.value == "attn_fwd"]
+    assert fwd and all(v.param("tile_n") == BWD_KEY_TILE_SM90 for v in fwd if v.param("causal"))
+    assert any(v.param("tile_n") != BWD_KEY_TILE_SM90 for v in fwd if not v.param("causal"))
+    assert any("pairs with the sm90 backward" in p.reason for p in plan.pruned)
+    quant = {v.name for v in plan.variants if v.kind.value == "quant"}
+    assert any("_e4m3_tok_ceil_d128" in n for n in quant)  # K, V diagonal copies; Q rows
+    assert any("_e4m3_tok_ceil_delta_d128" in n for n in quant)  # the per-token dO launch (D from the rows' dO)
+    # a per-token route needs no other route's quantizers; its own plan is unchanged by the rule
+    tok = {v.name for v in make_plan(specs, arch="sm90", routes=["fp8_token"]).variants if v.kind.value == "quant"}
+    assert all("_tok_ceil" in n for n in tok)
+    assert not ({v.name for v in make_plan(specs, arch="sm90", routes=["bf16"]).variants
+                 if v.kind.value == "quant"} & tok)
