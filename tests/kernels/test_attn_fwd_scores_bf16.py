@@ -52,7 +52,10 @@ def test_render_is_the_qk_bf16_mode_with_the_exact_max(v):
     assert args[:4] == [("q", "bfloat16"), ("k", "bfloat16"), ("v_t", "float8_e4m3fn"), ("v_scale", "uint8")]
     assert ("qk_tensor_scale", "float32") in args and fwd_mode(lit["ARGS"]) == "qk_bf16"
     assert "m_new = fmax2(row_max[rh], quad_max(mx[rh]))" in src and "ceil_f32(quad_max" not in src
-    twin = render_variant(_twin(v, "nvfp4_mixed"))
+    name = v.name.replace(ROUTE, "nvfp4_mixed")
+    # causal nvfp4_mixed keeps tile_n 128 only (plan.feasibility.BWD_KEY_TILE_SM90: its backward repeats the forward's
+    # diagonal decisions on 128-key tiles); the same tiles' non-causal twin carries the same reference
+    twin = render_variant(TWINS.get(name) or TWINS[name + "_noncausal"])
     assert "ceil_f32(quad_max" in twin
     if not v.param("causal"):  # (causal: nvfp4_mixed's token-block V adds the diagonal per-key copies)
         # the kernel body is nvfp4_mixed's except for the reference and its comments
