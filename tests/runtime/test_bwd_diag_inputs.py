@@ -13,7 +13,6 @@ that its ARGS name them as this file assumes.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,66 +25,33 @@ from flamia_gen.runtime import ops as ops_mod
 from flamia_gen.runtime.attn_bwd import (DIAG_V_ARGS, bwd_schedule, bwd_tiles, bwd_windows, is_diag_v_spec,
                                          make_work_list, run_attn_bwd)
 
-ROOT = Path(__file__).resolve().parents[2]
-FP8_BWD = "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"
-DIAG_ARGS = [
-    {"name": "v_diag", "dtype": "float8_e4m3fn", "shape": ["T", "HKV", "D"], "role": "in"},
-    {"name": "v_diag_scale", "dtype": "uint8", "shape": ["T", "HKV"], "role": "in"},
-    {"name": "fwd_tile_m", "dtype": "int32", "shape": [], "role": "scalar"},
-]
+try:  # `python -m pytest` from the repository root: tests/ is a namespace package
+    from tests.runtime import bwd_standins as bs
+except ImportError:  # plain `pytest` (rootdir not on sys.path): load the sibling module by path
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_flamia_bwd_standins", Path(__file__).with_name("bwd_standins.py"))
+    bs = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(bs)
+
+FP8_BWD = bs.FP8_BWD
+DIAG_ARGS = bs.DIAG_V_SPEC
 DIAG_PARAMS = {"diag_v": True, "ds_gran": "square_32", "fwd_tile_n": 128}
-HQ, HKV, D = 4, 2, 128
-
-
-def _generated(name: str) -> tuple[list, dict]:
-    src = (ROOT / "generated" / "sm90" / f"{name}.py").read_text()
-    return _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
+HQ, HKV, D = bs.HQ, bs.HKV, bs.D
 
 
 def _plain_variant() -> tuple[list, dict]:
-    return _generated(FP8_BWD)
+    return bs.generated(FP8_BWD)
 
 
 def _diag_variant() -> tuple[list, dict]:
     """The fp8_token backward's ARGS and PARAMS with what a diag_v backward adds."""
-    args, params = _generated(FP8_BWD)
+    args, params = bs.generated(FP8_BWD)
     return args + DIAG_ARGS, dict(params, **DIAG_PARAMS)
-
-
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
 # documents shorter than a key tile (128) that share tile_n chunks: windows=True merges them
 SHORT_DOCS = [5, 1, 30, 200, 7, 7, 60, 300, 1, 2]
-
-
-def _fp8_inputs(lens=SHORT_DOCS):
-    cu = _cu(lens)
-    T = int(cu[-1])
-    tpad = -(-T // 16) * 16
-    u8 = torch.uint8
-    return dict(q=torch.zeros(T, HQ, D, dtype=u8), k=torch.zeros(T, HKV, D, dtype=u8),
-                v=torch.zeros(T, HKV, D, dtype=u8), do=torch.zeros(T, HQ, D, dtype=u8),
-                lse=torch.zeros(HQ, T), delta=torch.zeros(HQ, T),
-                q_t=torch.zeros(HQ, D, tpad, dtype=u8), k_t=torch.zeros(HKV, D, tpad, dtype=u8),
-                do_t=torch.zeros(HQ, D, tpad, dtype=u8), q_scale=torch.zeros(T, HQ, dtype=u8),
-                k_scale=torch.zeros(T, HKV, dtype=u8), v_scale=torch.zeros(T, HKV, dtype=u8),
-                do_scale=torch.zeros(T, HQ, dtype=u8), cu_seqlens=cu)
-
-
-def _diag_inputs(T):
-    return dict(v_diag=torch.full((T, HKV, D), 0x40, dtype=torch.uint8),
-                v_diag_scale=torch.full((T, HKV), 121, dtype=torch.uint8), fwd_tile_m=192)
-
-
-def _recorder(args_spec):
-    seen = {}
-
-    def fn(*a):
-        assert len(a) == len(args_spec)
-        seen.update({s["name"]: t for s, t in zip(args_spec, a)})
-    return fn, seen
 
 
 # ---------------------------------------------------------------- bwd_schedule(windows=False)
@@ -94,7 +60,7 @@ def _recorder(args_spec):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("key_align", [1, 16])
 def test_bwd_schedule_without_windows_keeps_every_document_apart(causal, key_align):
-    cu = _cu(SHORT_DOCS)
+    cu = bs.cu_seqlens(SHORT_DOCS)
     T = int(cu[-1])
     merged = bwd_schedule(cu, 64, 128, causal, key_align=key_align, T=T)
     apart = bwd_schedule(cu, 64, 128, causal, key_align=key_align, T=T, windows=False)
@@ -116,7 +82,7 @@ def test_bwd_schedule_without_windows_keeps_every_document_apart(causal, key_ali
 
 
 def test_bwd_schedule_without_windows_equals_windows_when_nothing_merges():
-    cu = _cu([300, 129, 1000])  # every document ≥ tile_n: windows change nothing
+    cu = bs.cu_seqlens([300, 129, 1000])  # every document ≥ tile_n: windows change nothing
     a = bwd_schedule(cu, 64, 128, True, key_align=16, T=1429)
     b = bwd_schedule(cu, 64, 128, True, key_align=16, T=1429, windows=False)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -125,7 +91,7 @@ def test_bwd_schedule_without_windows_equals_windows_when_nothing_merges():
 def test_square_32_backward_schedules_have_no_windows():
     from flamia_gen.runtime.attention import bwd_schedule_cached
 
-    cu = _cu(SHORT_DOCS)
+    cu = bs.cu_seqlens(SHORT_DOCS)
     T = int(cu[-1])
     plain = dict(tile_m=64, tile_n=128, causal=True, ds_gran="token")
     square = dict(plain, ds_gran="square_32")
@@ -144,10 +110,10 @@ def test_square_32_backward_schedules_have_no_windows():
 def test_run_attn_bwd_passes_the_diagonal_inputs_and_no_windows():
     args, params = _diag_variant()
     assert is_diag_v_spec(args) and not is_diag_v_spec(_plain_variant()[0])
-    x = _fp8_inputs()
+    x = bs.fp8_inputs(SHORT_DOCS)
     T = x["q"].shape[0]
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **x, params=params, **_diag_inputs(T))
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **x, params=params, **bs.diag_v_inputs(T))
     assert seen["v_diag"].dtype == torch.float8_e4m3fn and seen["v_diag"].shape == (T, HKV, D)
     assert bool((seen["v_diag"].view(torch.uint8) == 0x40).all()) and bool((seen["v_diag_scale"] == 121).all())
     assert seen["fwd_tile_m"] == 192 and type(seen["fwd_tile_m"]) is int
@@ -157,25 +123,18 @@ def test_run_attn_bwd_passes_the_diagonal_inputs_and_no_windows():
     assert torch.equal(seen["cu_seqlens"], x["cu_seqlens"])
     # the plain variant (same inputs, no diagonal arguments) still merges them
     pargs, pparams = _plain_variant()
-    fn, plain = _recorder(pargs)
+    fn, plain = bs.recorder(pargs)
     run_attn_bwd(fn, pargs, **x, params=pparams)
     assert int((plain["work"][:, 2] == 1).sum()) > 0 and "v_diag" not in plain
 
 
-def _bad_diag(T, **over):
-    kw = _diag_inputs(T)
-    kw.update(over)
-    return {k: v for k, v in kw.items() if v is not _DROP}
-
-
-_DROP = object()
 _T = sum(SHORT_DOCS)
 
 
 @pytest.mark.parametrize("over, match", [
-    (dict(v_diag=_DROP), r"^v_diag: required"),
-    (dict(v_diag_scale=_DROP), r"^v_diag_scale: required"),
-    (dict(fwd_tile_m=_DROP), r"^fwd_tile_m: required"),
+    (dict(v_diag=bs.DROP), r"^v_diag: required"),
+    (dict(v_diag_scale=bs.DROP), r"^v_diag_scale: required"),
+    (dict(fwd_tile_m=bs.DROP), r"^fwd_tile_m: required"),
     (dict(v_diag=torch.zeros(_T, HQ, D, dtype=torch.uint8)),
      rf"^v_diag: shape \({_T}, 4, 128\), expected \({_T}, 2, 128\)"),
     (dict(v_diag=torch.zeros(_T + 1, HKV, D, dtype=torch.uint8)), r"^v_diag: shape"),
@@ -196,7 +155,8 @@ def test_run_attn_bwd_refuses_bad_diagonal_inputs(over, match):
     args, params = _diag_variant()
     called = []
     with pytest.raises(ValueError, match=match):
-        run_attn_bwd(lambda *a: called.append(a), args, **_fp8_inputs(), params=params, **_bad_diag(_T, **over))
+        run_attn_bwd(lambda *a: called.append(a), args, **bs.fp8_inputs(SHORT_DOCS), params=params,
+                     **bs.merged(bs.diag_v_inputs(_T), **over))
     assert not called
 
 
@@ -205,17 +165,17 @@ def test_run_attn_bwd_refuses_diagonal_inputs_a_plain_variant_does_not_take(name
     args, params = _plain_variant()
     called = []
     with pytest.raises(ValueError, match=rf"^{name}: only a backward whose ARGS name it"):
-        run_attn_bwd(lambda *a: called.append(a), args, **_fp8_inputs(), params=params,
-                     **{name: _diag_inputs(_T)[name]})
+        run_attn_bwd(lambda *a: called.append(a), args, **bs.fp8_inputs(SHORT_DOCS), params=params,
+                     **{name: bs.diag_v_inputs(_T)[name]})
     assert not called
 
 
 def test_run_attn_bwd_takes_v_diag_as_float8_codes():
     args, params = _diag_variant()
-    kw = _diag_inputs(_T)
+    kw = bs.diag_v_inputs(_T)
     kw["v_diag"] = kw["v_diag"].view(torch.float8_e4m3fn)
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **kw)
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **bs.fp8_inputs(SHORT_DOCS), params=params, **kw)
     assert seen["v_diag"] is kw["v_diag"]
 
 
@@ -252,9 +212,9 @@ def test_rendered_diag_variant_takes_what_run_attn_bwd_passes(rendered_diag):
     assert params["ds_gran"] == manifest_params["ds_gran"] == "square_32"
     assert params["fwd_tile_n"] == fwd_tile_n_of(manifest_params) == fwd_tile_n_of(params)
     assert not bwd_windows(manifest_params)
-    x = _fp8_inputs()
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **x, params=manifest_params, **_diag_inputs(_T))
+    x = bs.fp8_inputs(SHORT_DOCS)
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **x, params=manifest_params, **bs.diag_v_inputs(_T))
     assert seen["fwd_tile_m"] == 192 and int((seen["work"][:, 2] == 1).sum()) == 0
 
 
@@ -286,24 +246,22 @@ def test_bwd_experiments_bundles_a_forward_the_diag_backward_pairs_with(rendered
 # ---------------------------------------------------------------- ops.backward_with
 
 
-def _entry(name, kind, uses, params, args=()):
-    return {"name": name, "file": f"kernels/{name}.so", "sha256": "0" * 64, "kind": kind, "family": "x",
-            "spec_hash": "0", "source_sha256": "0", "uses": list(uses), "params": dict(params), "args": list(args)}
-
-
-def _quant_entry(name, uses):
-    args, params = _generated(name)
-    return _entry(name, "quant", uses, params, args)
-
-
 ROUTE = "mxfp8_cand"  # a candidate route: bundled kernels, no dispatch group, not in the installed plan
-TB = "quant_sm90_e4m3_tb32_ceil_d128_t128_h1"
-TB_DELTA = "quant_sm90_e4m3_tb32_ceil_delta_d128_t128_h1"
-TOK = "quant_sm90_e4m3_tok_ceil_d128_t128_h1"
+TB, TB_DELTA, TOK = bs.TB, bs.TB_DELTA, bs.TOK
 FWD_N192 = f"attn_fwd_sm90_{ROUTE}_d128_a_m128n192"  # first by name
 FWD_N128 = f"attn_fwd_sm90_{ROUTE}_d128_b_m192n128"
 BWD = f"attn_bwd_sm90_{ROUTE}_d128_m64n128"
 CODE = {TB: 0x30, TOK: 0x40, TB_DELTA: 0x38}  # what each stand-in quantizer writes
+
+
+def _fill_code(name, by, n):
+    """A stand-in quantizer's outputs: its CODE (codes, codes_t), CODE + 80 (scales), zero delta, dq_accum."""
+    by["codes"].fill_(CODE[name])
+    by["codes_t"].fill_(CODE[name])
+    by["scales"].fill_(CODE[name] + 80)
+    if "delta" in by:
+        by["delta"].zero_()
+        by["dq_accum"].zero_()
 
 
 @pytest.fixture
@@ -311,60 +269,19 @@ def diag_bundle(monkeypatch, tmp_path):
     """A bundle manifest of the candidate route (token-block Q/K/V/dO quantizers, the per-token quantizer of
     another route as the V copy, two forwards of tile_n 192 and 128, one diag_v backward) with Python
     stand-ins for the kernels; returns (bundle, backward entry, launches)."""
-    from flamia_gen.runtime.attention import _bundle
-    from flamia_gen.runtime.bundle import Bundle
-
     bargs, bparams = _diag_variant()
     fp = dict(head_dim=128, causal=True, diag_v=True)
     variants = [
-        _quant_entry(TB, [f"{ROUTE}.q", f"{ROUTE}.k", f"{ROUTE}.v"]),
-        _quant_entry(TB_DELTA, [f"{ROUTE}.do"]),
-        _quant_entry(TOK, ["fp8_token.v"]),
-        _entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
-        _entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
+        bs.quant_entry(TB, [f"{ROUTE}.q", f"{ROUTE}.k", f"{ROUTE}.v"]),
+        bs.quant_entry(TB_DELTA, [f"{ROUTE}.do"]),
+        bs.quant_entry(TOK, ["fp8_token.v"]),
+        bs.manifest_entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
+        bs.manifest_entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
         # manifest params are the plan's: no fwd_tile_n (the template renders it as tile_n: fwd_tile_n_of)
-        _entry(BWD, "attn_bwd", [ROUTE], {k: x for k, x in bparams.items() if k != "fwd_tile_n"}, bargs),
+        bs.manifest_entry(BWD, "attn_bwd", [ROUTE], {k: x for k, x in bparams.items() if k != "fwd_tile_n"}, bargs),
     ]
-    d = tmp_path / "bundle_diag"
-    d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
-    launches = []
-
-    def stand_in(name):
-        entry = next(v for v in variants if v["name"] == name)
-
-        def fn(*args):
-            by = {a["name"]: t for a, t in zip(entry["args"], args)}
-            launches.append((name, by))
-            if entry["kind"] == "quant":
-                by["codes"].fill_(CODE[name])
-                by["codes_t"].fill_(CODE[name])
-                by["scales"].fill_(CODE[name] + 80)
-                if "delta" in by:
-                    by["delta"].zero_()
-                    by["dq_accum"].zero_()
-        return fn
-
-    monkeypatch.setattr(Bundle, "get", lambda self, name: stand_in(name))
-    b = _bundle(str(d.resolve()))
+    b, launches = bs.standin_bundle(tmp_path, monkeypatch, "bundle_diag", variants, _fill_code)
     return b, b.variants[BWD], launches
-
-
-def _bf16(lens=SHORT_DOCS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cu = _cu(lens)
-    T = int(cu[-1])
-    q = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    k = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    v = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    do = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    return q, k, v, do, cu
-
-
-def _profile(T, cu):
-    from flamia_gen.runtime.attention import doc_profile
-
-    return doc_profile(T, cu, 300)
 
 
 def test_forward_choice_of_a_candidate_route_is_the_first_bundled_forward(diag_bundle):
@@ -376,18 +293,18 @@ def test_forward_choice_of_a_candidate_route_is_the_first_bundled_forward(diag_b
     b, bwd, _ = diag_bundle
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        prof = _profile(sum(SHORT_DOCS), _cu(SHORT_DOCS))
+        prof = bs.profile_of(sum(SHORT_DOCS), bs.cu_seqlens(SHORT_DOCS))
         assert _pick_cached(str(b.root), "attn_fwd", ROUTE, 128, True, prof)["name"] == FWD_N192
         assert ops_mod.forward_choice(b, bwd, 128, prof)["name"] == FWD_N192
 
 
 def test_backward_with_refuses_the_op_forward_of_another_tile_n(diag_bundle):
     b, bwd, launches = diag_bundle
-    q, k, v, do, cu = _bf16()
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     with warnings.catch_warnings(), pytest.raises(ValueError) as e:
         warnings.simplefilter("ignore", RuntimeWarning)
-        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu))
+        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu))
     msg = str(e.value)
     assert msg.startswith("fwd_params: forward variant " + FWD_N192) and "tile_n=192" in msg
     assert BWD in msg and "tile_n=128 (its fwd_tile_n)" in msg
@@ -396,19 +313,20 @@ def test_backward_with_refuses_the_op_forward_of_another_tile_n(diag_bundle):
 
 def test_backward_with_refuses_given_forward_params_of_another_tile_n(diag_bundle):
     b, bwd, launches = diag_bundle
-    q, k, v, do, cu = _bf16()
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     n192 = b.variants[FWD_N192]["params"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(ValueError, match=r"^fwd_params: the forward variant given as fwd_params has tile_n=192, "
                                              rf"but backward {BWD} .* tile_n=128"):
-            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu), fwd_params=n192)
+            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
+                                  fwd_params=n192)
         with pytest.raises(ValueError, match=r"^fwd_params: .* causal=False"):
-            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu),
+            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
                                   fwd_params=dict(b.variants[FWD_N128]["params"], causal=False))
         with pytest.raises(ValueError, match=r"^fwd_params: expected the forward variant's PARAMS"):
-            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu),
+            ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
                                   fwd_params={"tile_n": 128})
     assert launches == []
 
@@ -417,11 +335,11 @@ def test_backward_with_launches_the_per_token_v_copy(diag_bundle):
     """The paired forward's tile_m, the per-token quantizer's V codes (not the token-block ones) as v_diag,
     its scales, and a schedule without windows reach the kernel."""
     b, bwd, launches = diag_bundle
-    q, k, v, do, cu = _bf16()
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu),
+        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
                               fwd_params=b.variants[FWD_N128]["params"])
     names = [n for n, _ in launches]
     assert names == [TOK, TB, TB, TB, TB_DELTA, BWD]
@@ -437,23 +355,23 @@ def test_backward_with_launches_the_per_token_v_copy(diag_bundle):
 
 def test_backward_with_pairs_with_the_op_forward_when_its_tile_n_fits(diag_bundle, monkeypatch):
     b, bwd, launches = diag_bundle
-    q, k, v, do, cu = _bf16()
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     real = ops_mod._pick_cached
     monkeypatch.setattr(ops_mod, "_pick_cached", lambda root, kind, *a: b.variants[FWD_N128] if kind == "attn_fwd"
                         else real(root, kind, *a))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu))
+        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu))
     assert launches[-1][0] == BWD and launches[-1][1]["fwd_tile_m"] == 192
 
 
 def test_backward_with_refuses_codes_for_a_diag_variant(diag_bundle):
     b, bwd, launches = diag_bundle
-    q, k, v, do, cu = _bf16()
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     with pytest.raises(ValueError, match=r"^codes: .* needs the BF16 v"):
-        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, _profile(T, cu),
+        ops_mod.backward_with(b, bwd, do, q, k, v, do, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
                               codes=[torch.zeros(1)], fwd_params=b.variants[FWD_N128]["params"])
     assert launches == []
 
@@ -461,8 +379,8 @@ def test_backward_with_refuses_codes_for_a_diag_variant(diag_bundle):
 def test_backward_with_a_plain_variant_ignores_fwd_params(monkeypatch):
     """Non-diag variants: the same launches and kernel arguments with or without fwd_params (any tile_n)."""
     args, params = _plain_variant()
-    entry = _entry(FP8_BWD, "attn_bwd", ["fp8_token"], params, args)
-    q, k, v, do, cu = _bf16()
+    entry = bs.manifest_entry(FP8_BWD, "attn_bwd", ["fp8_token"], params, args)
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     T = q.shape[0]
     launched, called = [], []
 
@@ -490,10 +408,10 @@ def test_backward_with_a_plain_variant_ignores_fwd_params(monkeypatch):
 def _verify_bundle(route=ROUTE):
     fp = dict(head_dim=128, causal=True)
     return SimpleNamespace(manifest={"variants": [
-        _entry("f_other_route", "attn_fwd", ["fp8_token"], dict(fp, tile_m=128, tile_n=128)),
-        _entry("f_n192", "attn_fwd", [route], dict(fp, tile_m=128, tile_n=192)),
-        _entry("f_noncausal", "attn_fwd", [route], dict(fp, causal=False, tile_m=128, tile_n=128)),
-        _entry("f_n128", "attn_fwd", [route], dict(fp, tile_m=192, tile_n=128)),
+        bs.manifest_entry("f_other_route", "attn_fwd", ["fp8_token"], dict(fp, tile_m=128, tile_n=128)),
+        bs.manifest_entry("f_n192", "attn_fwd", [route], dict(fp, tile_m=128, tile_n=192)),
+        bs.manifest_entry("f_noncausal", "attn_fwd", [route], dict(fp, causal=False, tile_m=128, tile_n=128)),
+        bs.manifest_entry("f_n128", "attn_fwd", [route], dict(fp, tile_m=192, tile_n=128)),
     ]})
 
 
@@ -501,8 +419,8 @@ def test_forward_entry_for_pairs_a_diag_backward_with_its_fwd_tile_n():
     from flamia_gen.verify.attn_gpu import emulator_forward_tiles, forward_entry_for
 
     b = _verify_bundle()
-    plain = _entry("bp", "attn_bwd", [ROUTE], dict(head_dim=128, causal=True, tile_m=64, tile_n=128))
-    diag = _entry("bd", "attn_bwd", [ROUTE], dict(plain["params"], **DIAG_PARAMS))
+    plain = bs.manifest_entry("bp", "attn_bwd", [ROUTE], dict(head_dim=128, causal=True, tile_m=64, tile_n=128))
+    diag = bs.manifest_entry("bd", "attn_bwd", [ROUTE], dict(plain["params"], **DIAG_PARAMS))
     assert forward_entry_for(b, plain)["name"] == "f_n192"  # unchanged: the first of the route
     assert forward_entry_for(b, diag)["name"] == "f_n128"
     # a bundle manifest's params (the plan's) have no fwd_tile_n: the backward's tile_n stands for it
@@ -519,8 +437,9 @@ def test_run_bwd_passes_the_paired_forward_params(monkeypatch):
 
     b = _verify_bundle()
     b.get = lambda name: name
-    diag = _entry("bd", "attn_bwd", [ROUTE], dict(head_dim=128, causal=True, tile_m=64, tile_n=128, **DIAG_PARAMS))
-    q, k, v, do, cu = _bf16()
+    diag = bs.manifest_entry("bd", "attn_bwd", [ROUTE],
+                             dict(head_dim=128, causal=True, tile_m=64, tile_n=128, **DIAG_PARAMS))
+    q, k, v, do, cu = bs.bf16_inputs(SHORT_DOCS, with_o=False)
     ran, seen = [], {}
     monkeypatch.setattr(attn_gpu, "run_kernel", lambda fn, e, *a: ran.append(e["name"]) or (do, torch.zeros(HQ, 1)))
     monkeypatch.setattr(ops_mod, "backward_with", lambda *a, **kw: seen.update(kw) or (q, k, v, None))
@@ -545,9 +464,9 @@ def test_verify_bwd_entry_gives_the_emulator_the_forward_tiles_only_for_diag_ent
     # the keywords passed exist on the real emulator (stood in for below)
     assert {"fwd_tile_m", "fwd_tile_n"} <= set(inspect.signature(ref.attention_backward).parameters)
     params = dict(head_dim=128, causal=True, tile_m=64, tile_n=128, v_fmt="e4m3", **(DIAG_PARAMS if diag else {}))
-    entry = _entry("bwd", "attn_bwd", ["mxfp8"], params)
+    entry = bs.manifest_entry("bwd", "attn_bwd", ["mxfp8"], params)
     b = _verify_bundle("mxfp8")
-    q, k, v, do, cu = _bf16(lens=[40, 60])
+    q, k, v, do, cu = bs.bf16_inputs([40, 60], with_o=False)
     calls = []
 
     def fake_emulator(q_, k_, v_, o, lse, do_, cu_, causal, route, **kw):

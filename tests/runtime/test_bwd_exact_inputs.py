@@ -14,9 +14,7 @@ checks its ARGS against these.
 
 from __future__ import annotations
 
-import json
 import warnings
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -28,15 +26,19 @@ from flamia_gen.runtime.attention import NoKernelError, token_copy_do_delta
 from flamia_gen.runtime.attn_bwd import (DIAG_K_ARGS, DIAG_V_ARGS, ROWS_ARGS, bwd_schedule, is_diag_k_spec,
                                          is_diag_v_spec, is_rows_spec, run_attn_bwd)
 
-ROOT = Path(__file__).resolve().parents[2]
-FP8_BWD = "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"
-HQ, HKV, D = 4, 2, 128
+try:  # `python -m pytest` from the repository root: tests/ is a namespace package
+    from tests.runtime import bwd_standins as bs
+except ImportError:  # plain `pytest` (rootdir not on sys.path): load the sibling module by path
+    import importlib.util
 
-DIAG_V_SPEC = [
-    {"name": "v_diag", "dtype": "float8_e4m3fn", "shape": ["T", "HKV", "D"], "role": "in"},
-    {"name": "v_diag_scale", "dtype": "uint8", "shape": ["T", "HKV"], "role": "in"},
-    {"name": "fwd_tile_m", "dtype": "int32", "shape": [], "role": "scalar"},
-]
+    _spec = importlib.util.spec_from_file_location("_flamia_bwd_standins", Path(__file__).with_name("bwd_standins.py"))
+    bs = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(bs)
+
+FP8_BWD = bs.FP8_BWD
+HQ, HKV, D = bs.HQ, bs.HKV, bs.D
+
+DIAG_V_SPEC = bs.DIAG_V_SPEC
 ROWS_SPEC = [
     {"name": "q_t_scale", "dtype": "uint8", "shape": ["T", "HQ"], "role": "in"},
     {"name": "do_t_scale", "dtype": "uint8", "shape": ["T", "HQ"], "role": "in"},
@@ -49,64 +51,22 @@ DIAG_K_SPEC = [
 NEW_ARGS = ROWS_ARGS + DIAG_K_ARGS
 
 
-def _generated(name: str) -> tuple[list, dict]:
-    src = (ROOT / "generated" / "sm90" / f"{name}.py").read_text()
-    return _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
-
-
-@lru_cache(maxsize=None)
-def _plan_variants(family: str, route: str = "mxfp8_exact"):
-    from flamia_gen.plan.variants import expand_family
-    from flamia_gen.spec import load_specs
-
-    specs = load_specs()
-    return expand_family(specs.families[family].model_copy(update={"routes": [route]}), specs).variants
-
-
-def _plan_bwd(causal: bool, d: int = D):
-    return next(v for v in _plan_variants("attn_bwd_sm90") if v.param("head_dim") == d and v.param("causal") == causal
-                and not dict(v.params).get("deterministic"))
-
-
 def _exact_args(causal: bool) -> list:
     """The fp8_token backward's ARGS in the order the template emits the exact route's: ..., dv, [causal] v_diag,
     v_diag_scale, fwd_tile_m, then q_t_scale, do_t_scale, then [causal] k_diag, k_t_diag, k_diag_scale."""
-    args, _ = _generated(FP8_BWD)
+    args, _ = bs.generated(FP8_BWD)
     return args + (DIAG_V_SPEC if causal else []) + ROWS_SPEC + (DIAG_K_SPEC if causal else [])
 
 
 def _exact_variant(causal: bool = True) -> tuple[list, dict]:
     """(ARGS, PARAMS): the plan's (manifest) params of the mxfp8_exact backward (rows_q, diag_k, diag_v; no
     rows_do, no fwd_tile_n: the rendered PARAMS add them)."""
-    return _exact_args(causal), dict(_plan_bwd(causal).params)
+    return _exact_args(causal), dict(bs.plan_bwd("mxfp8_exact", causal).params)
 
 
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-
-
-DOCS = [5, 1, 30, 200, 7, 60, 300, 2]
+DOCS = bs.DOCS
 _T = sum(DOCS)
 _TPAD = -(-_T // 16) * 16
-
-
-def _fp8_inputs(lens=DOCS):
-    cu = _cu(lens)
-    T = int(cu[-1])
-    tpad = -(-T // 16) * 16
-    u8 = torch.uint8
-    return dict(q=torch.zeros(T, HQ, D, dtype=u8), k=torch.zeros(T, HKV, D, dtype=u8),
-                v=torch.zeros(T, HKV, D, dtype=u8), do=torch.zeros(T, HQ, D, dtype=u8),
-                lse=torch.zeros(HQ, T), delta=torch.zeros(HQ, T),
-                q_t=torch.zeros(HQ, D, tpad, dtype=u8), k_t=torch.zeros(HKV, D, tpad, dtype=u8),
-                do_t=torch.zeros(HQ, D, tpad, dtype=u8), q_scale=torch.zeros(T, HQ, dtype=u8),
-                k_scale=torch.zeros(T, HKV, dtype=u8), v_scale=torch.zeros(T, HKV, dtype=u8),
-                do_scale=torch.zeros(T, HQ, dtype=u8), cu_seqlens=cu)
-
-
-def _diag_v(T=_T):
-    return dict(v_diag=torch.full((T, HKV, D), 0x40, dtype=torch.uint8),
-                v_diag_scale=torch.full((T, HKV), 121, dtype=torch.uint8), fwd_tile_m=192)
 
 
 def _rows(T=_T):
@@ -121,31 +81,14 @@ def _diag_k(T=_T, tpad=_TPAD):
 
 
 def _new(causal=True):
-    return dict(_rows(), **(dict(_diag_v(), **_diag_k()) if causal else {}))
-
-
-def _recorder(args_spec):
-    seen = {}
-
-    def fn(*a):
-        assert len(a) == len(args_spec)
-        seen.update({s["name"]: t for s, t in zip(args_spec, a)})
-    return fn, seen
-
-
-_DROP = object()
-
-
-def _with(base: dict, **over) -> dict:
-    kw = dict(base, **over)
-    return {k: v for k, v in kw.items() if v is not _DROP}
+    return dict(_rows(), **(dict(bs.diag_v_inputs(_T), **_diag_k()) if causal else {}))
 
 
 # ---------------------------------------------------------------- run_attn_bwd
 
 
 def test_spec_predicates():
-    plain, _ = _generated(FP8_BWD)
+    plain, _ = bs.generated(FP8_BWD)
     causal, nc = _exact_args(True), _exact_args(False)
     assert is_rows_spec(causal) and is_rows_spec(nc) and not is_rows_spec(plain)
     assert is_diag_k_spec(causal) and not is_diag_k_spec(nc) and not is_diag_k_spec(plain)
@@ -154,9 +97,9 @@ def test_spec_predicates():
 
 def test_run_attn_bwd_passes_the_split_and_per_token_k_inputs():
     args, params = _exact_variant(True)
-    x = _fp8_inputs()
+    x = bs.fp8_inputs()
     kw = _new(True)
-    fn, seen = _recorder(args)
+    fn, seen = bs.recorder(args)
     run_attn_bwd(fn, args, **x, params=params, **kw)
     assert seen["q_t_scale"] is kw["q_t_scale"] and seen["do_t_scale"] is kw["do_t_scale"]
     assert seen["k_diag_scale"] is kw["k_diag_scale"]
@@ -172,13 +115,13 @@ def test_run_attn_bwd_passes_the_split_and_per_token_k_inputs():
 
 def test_run_attn_bwd_noncausal_exact_variant_takes_the_split_scales_only():
     args, params = _exact_variant(False)
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **_rows())
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **bs.fp8_inputs(), params=params, **_rows())
     assert bool((seen["q_t_scale"] == 117).all()) and bool((seen["do_t_scale"] == 118).all())
     assert not any(n in seen for n in DIAG_K_ARGS + DIAG_V_ARGS)
     for name, t in _diag_k().items():
         with pytest.raises(ValueError, match=rf"^{name}: only a backward whose ARGS name it \(a diag_k variant"):
-            run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **_rows(), **{name: t})
+            run_attn_bwd(fn, args, **bs.fp8_inputs(), params=params, **_rows(), **{name: t})
 
 
 @pytest.mark.parametrize("name", NEW_ARGS)
@@ -186,30 +129,30 @@ def test_run_attn_bwd_requires_each_new_argument(name):
     args, params = _exact_variant(True)
     called = []
     with pytest.raises(ValueError, match=rf"^{name}: required: "):
-        run_attn_bwd(lambda *a: called.append(a), args, **_fp8_inputs(), params=params,
-                     **_with(_new(True), **{name: _DROP}))
+        run_attn_bwd(lambda *a: called.append(a), args, **bs.fp8_inputs(), params=params,
+                     **bs.merged(_new(True), **{name: bs.DROP}))
     assert not called
 
 
 @pytest.mark.parametrize("name", NEW_ARGS)
 def test_run_attn_bwd_refuses_new_arguments_a_plain_variant_does_not_take(name):
-    args, params = _generated(FP8_BWD)
+    args, params = bs.generated(FP8_BWD)
     called = []
     with pytest.raises(ValueError, match=rf"^{name}: only a backward whose ARGS name it"):
-        run_attn_bwd(lambda *a: called.append(a), args, **_fp8_inputs(), params=params, **{name: _new(True)[name]})
+        run_attn_bwd(lambda *a: called.append(a), args, **bs.fp8_inputs(), params=params, **{name: _new(True)[name]})
     assert not called
 
 
 def test_run_attn_bwd_refuses_the_new_arguments_for_the_mxfp8_diag_variant():
     """mxfp8 (not exact) takes the diagonal V copy but none of the exact route's arguments."""
-    args, params = _generated(FP8_BWD)
+    args, params = bs.generated(FP8_BWD)
     args = args + DIAG_V_SPEC
     params = dict(params, diag_v=True, ds_gran="square_32", fwd_tile_n=128)
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **_diag_v())
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **bs.fp8_inputs(), params=params, **bs.diag_v_inputs(_T))
     assert seen["fwd_tile_m"] == 192
     with pytest.raises(ValueError, match=r"^q_t_scale: only a backward whose ARGS name it"):
-        run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **_diag_v(), **_rows())
+        run_attn_bwd(fn, args, **bs.fp8_inputs(), params=params, **bs.diag_v_inputs(_T), **_rows())
 
 
 U8 = torch.uint8
@@ -246,8 +189,8 @@ def test_run_attn_bwd_refuses_bad_new_arguments(name, value, match):
     args, params = _exact_variant(True)
     called = []
     with pytest.raises(ValueError, match=match):
-        run_attn_bwd(lambda *a: called.append(a), args, **_fp8_inputs(), params=params,
-                     **_with(_new(True), **{name: value}))
+        run_attn_bwd(lambda *a: called.append(a), args, **bs.fp8_inputs(), params=params,
+                     **bs.merged(_new(True), **{name: value}))
     assert not called
 
 
@@ -256,8 +199,8 @@ def test_run_attn_bwd_takes_float8_codes_as_they_are():
     kw = _new(True)
     kw["k_diag"] = kw["k_diag"].view(torch.float8_e4m3fn)
     kw["k_t_diag"] = kw["k_t_diag"].view(torch.float8_e4m3fn)
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **_fp8_inputs(), params=params, **kw)
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **bs.fp8_inputs(), params=params, **kw)
     assert seen["k_diag"] is kw["k_diag"] and seen["k_t_diag"] is kw["k_t_diag"]
 
 
@@ -269,7 +212,7 @@ def rendered_exact():
 
     out = {}
     for causal in (True, False):
-        v = _plan_bwd(causal)
+        v = bs.plan_bwd("mxfp8_exact", causal)
         try:
             src = render_variant(v)
         except Exception as e:  # the template's ERROR_... sentinel (jinja2 UndefinedError) until it supports the route
@@ -291,29 +234,16 @@ def test_rendered_exact_variant_takes_what_run_attn_bwd_passes(rendered_exact, c
     assert {a["name"]: (a["dtype"], a["shape"]) for a in want} == {n: by[n] for n in (a["name"] for a in want)}
     assert not (set(DIAG_K_ARGS + DIAG_V_ARGS) & set(by)) or causal
     assert {a["name"] for a in args} == {a["name"] for a in _exact_args(causal)}
-    fn, seen = _recorder(args)
-    run_attn_bwd(fn, args, **_fp8_inputs(), params=plan_params, **_new(causal))
+    fn, seen = bs.recorder(args)
+    run_attn_bwd(fn, args, **bs.fp8_inputs(), params=plan_params, **_new(causal))
     assert set(seen) == set(by)
 
 
 # ---------------------------------------------------------------- ops.backward_with on a stand-in bundle
 
 
-def _entry(name, kind, uses, params, args=()):
-    return {"name": name, "file": f"kernels/{name}.so", "sha256": "0" * 64, "kind": kind, "family": "x",
-            "spec_hash": "0", "source_sha256": "0", "uses": list(uses), "params": dict(params), "args": list(args)}
-
-
-def _quant_entry(name, uses):
-    args, params = _generated(name)
-    return _entry(name, "quant", uses, params, args)
-
-
 ROUTE = "mxfp8_exact_cand"  # a candidate route: bundled kernels, no dispatch group, not in the installed plan
-TB = "quant_sm90_e4m3_tb32_ceil_d128_t128_h1"
-TB_DELTA = "quant_sm90_e4m3_tb32_ceil_delta_d128_t128_h1"
-TOK = "quant_sm90_e4m3_tok_ceil_d128_t128_h1"
-TOK_DELTA = "quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1"
+TB, TB_DELTA, TOK, TOK_DELTA = bs.TB, bs.TB_DELTA, bs.TOK, bs.TOK_DELTA
 FWD_N192 = f"attn_fwd_sm90_{ROUTE}_d128_a_m128n192"  # first by name: the op's forward choice
 FWD_N128 = f"attn_fwd_sm90_{ROUTE}_d128_b_m192n128"
 BWD = f"attn_bwd_sm90_{ROUTE}_d128_m64n128"
@@ -327,90 +257,26 @@ def _make_bundle(tmp_path, monkeypatch, *, drop=(), tok_uses=TOK_USES, tb_delta_
     route's per-token quantizer and per-token dO launch, two forwards of tile_n 192 and 128, the causal and
     non-causal backward) with Python stand-ins for the kernels. Every quantizer launch fills its outputs with
     values of its own (a launch counter), and is recorded with its inputs; returns (bundle, launches)."""
-    from flamia_gen.runtime.attention import _bundle
-    from flamia_gen.runtime.bundle import Bundle
-
     fp = dict(head_dim=128, causal=True, diag_v=True, diag_k=True)
     variants = [
-        _quant_entry(TB, [f"{ROUTE}.do", f"{ROUTE}.k", f"{ROUTE}.q", f"{ROUTE}.v"]),
-        _quant_entry(TB_DELTA, list(tb_delta_uses)),
-        _quant_entry(TOK, list(tok_uses)),
-        _quant_entry(TOK_DELTA, ["fp8_token.do"]),
-        _entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
-        _entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
+        bs.quant_entry(TB, [f"{ROUTE}.do", f"{ROUTE}.k", f"{ROUTE}.q", f"{ROUTE}.v"]),
+        bs.quant_entry(TB_DELTA, list(tb_delta_uses)),
+        bs.quant_entry(TOK, list(tok_uses)),
+        bs.quant_entry(TOK_DELTA, ["fp8_token.do"]),
+        bs.manifest_entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
+        bs.manifest_entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
     ]
     for name, causal in ((BWD, True), (BWD_NC, False)):
         args, params = _exact_variant(causal)
         args, params = (bwd_over or {}).get(name, (args, params))
-        variants.append(_entry(name, "attn_bwd", [ROUTE], params, args))
+        variants.append(bs.manifest_entry(name, "attn_bwd", [ROUTE], params, args))
     variants = [v for v in variants if v["name"] not in drop]
-    d = tmp_path / "bundle_exact"
-    d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
-    launches = []
-
-    def stand_in(name):
-        entry = next(v for v in variants if v["name"] == name)
-
-        def fn(*args):
-            by = {a["name"]: t for a, t in zip(entry["args"], args)}
-            launches.append((name, by))
-            if entry["kind"] == "quant":
-                n = len(launches)
-                by["codes"].fill_(n)
-                by["codes_t"].fill_(n + 100)
-                by["scales"].fill_(n + 200)
-                if "delta" in by:
-                    by["delta"].fill_(float(n))
-                    by["dq_accum"].zero_()
-        return fn
-
-    monkeypatch.setattr(Bundle, "get", lambda self, name: stand_in(name))
-    return _bundle(str(d.resolve())), launches
+    return bs.standin_bundle(tmp_path, monkeypatch, "bundle_exact", variants, bs.fill_by_launch)
 
 
 @pytest.fixture
 def exact_bundle(monkeypatch, tmp_path):
     return _make_bundle(tmp_path, monkeypatch)
-
-
-def _bf16(lens=DOCS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cu = _cu(lens)
-    T = int(cu[-1])
-    q = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    k = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    v = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    do = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    o = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    return q, k, v, do, o, cu
-
-
-def _profile(T, cu):
-    from flamia_gen.runtime.attention import doc_profile
-
-    return doc_profile(T, cu, 300)
-
-
-def _run(b, bwd_name, **kw):
-    q, k, v, do, o, cu = _bf16()
-    T = q.shape[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the dispatch table knows no candidate route
-        ops_mod.backward_with(b, b.variants[bwd_name], do, q, k, v, o, torch.zeros(HQ, T), cu, _profile(T, cu), **kw)
-    return dict(q=q, k=k, v=v, do=do), o
-
-
-def _sources(launches, inputs):
-    """Per kernel argument, the (quantizer, operand, output field) it is (same storage), or None."""
-    kern = launches[-1][1]
-    which = {id(t): n for n, t in inputs.items()}
-    outs = {}
-    for name, by in launches[:-1]:
-        for field in ("codes", "codes_t", "scales", "delta", "dq_accum"):
-            if field in by:
-                outs[(by[field].data_ptr(), tuple(by[field].shape))] = (name, which[id(by["x"])], field)
-    return {a: outs.get((t.data_ptr(), tuple(t.shape))) for a, t in kern.items() if isinstance(t, torch.Tensor)}
 
 
 # what each kernel argument of the exact backward must be: per-token Q, dO in S, dP, D; token-block Q, dO in dK,
@@ -432,14 +298,14 @@ EXPECTED_DIAG = {
 
 def test_backward_with_feeds_each_argument_from_the_right_launch(exact_bundle):
     b, launches = exact_bundle
-    inputs, o = _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+    inputs, o = bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     ops = {id(t): n for n, t in inputs.items()}
     assert [(n, ops[id(by["x"])]) for n, by in launches[:-1]] == [
         (TOK, "v"), (TOK, "q"), (TB, "q"), (TB, "k"), (TOK, "k"), (TB, "v"), (TOK_DELTA, "do"), (TB, "do")]
     assert launches[-1][0] == BWD
     # only the dO launch takes o (delta from the per-token dO); the token-block dO launch is a plain one
     assert launches[6][1]["o"] is o and "o" not in launches[7][1]
-    src = _sources(launches, inputs)
+    src = bs.arg_sources(launches, inputs)
     got = {a: src[a] for a in list(EXPECTED) + list(EXPECTED_DIAG)}
     assert got == dict(EXPECTED, **EXPECTED_DIAG)
     kern = launches[-1][1]
@@ -452,26 +318,26 @@ def test_backward_with_noncausal_exact_variant(exact_bundle):
     """No diagonal decisions: no per-token K or V launch, no forward pairing (the op's forward of tile_n 192 is
     not refused); Q and dO still split."""
     b, launches = exact_bundle
-    inputs, _ = _run(b, BWD_NC)
+    inputs, _ = bs.run_backward(b, BWD_NC)
     ops = {id(t): n for n, t in inputs.items()}
     assert [(n, ops[id(by["x"])]) for n, by in launches[:-1]] == [
         (TOK, "q"), (TB, "q"), (TB, "k"), (TB, "v"), (TOK_DELTA, "do"), (TB, "do")]
-    src = _sources(launches, inputs)
+    src = bs.arg_sources(launches, inputs)
     assert {a: src[a] for a in EXPECTED} == EXPECTED
     assert not set(EXPECTED_DIAG) & set(launches[-1][1])
 
 
 def test_backward_with_refuses_a_forward_of_another_tile_n(exact_bundle):
     b, launches = exact_bundle
-    q, k, v, do, o, cu = _bf16()
+    q, k, v, do, o, cu = bs.bf16_inputs()
     T = q.shape[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(ValueError, match=rf"^fwd_params: forward variant {FWD_N192} .* tile_n=192, but backward "
                                              rf"{BWD} .* tile_n=128"):
-            ops_mod.backward_with(b, b.variants[BWD], do, q, k, v, o, torch.zeros(HQ, T), cu, _profile(T, cu))
+            ops_mod.backward_with(b, b.variants[BWD], do, q, k, v, o, torch.zeros(HQ, T), cu, bs.profile_of(T, cu))
         with pytest.raises(ValueError, match=r"^fwd_params: the forward variant given as fwd_params has tile_n=192"):
-            ops_mod.backward_with(b, b.variants[BWD], do, q, k, v, o, torch.zeros(HQ, T), cu, _profile(T, cu),
+            ops_mod.backward_with(b, b.variants[BWD], do, q, k, v, o, torch.zeros(HQ, T), cu, bs.profile_of(T, cu),
                                   fwd_params=b.variants[FWD_N192]["params"])
     assert launches == []
 
@@ -480,7 +346,7 @@ def test_backward_with_refuses_forward_codes(exact_bundle):
     b, launches = exact_bundle
     for name in (BWD, BWD_NC):
         with pytest.raises(ValueError, match=r"^codes: .* quantizes Q, dO.* twice .* needs the BF16 q, k, v"):
-            _run(b, name, codes=[torch.zeros(1)], fwd_params=b.variants[FWD_N128]["params"])
+            bs.run_backward(b, name, codes=[torch.zeros(1)], fwd_params=b.variants[FWD_N128]["params"])
     assert launches == []
 
 
@@ -488,15 +354,15 @@ def test_backward_with_refuses_params_that_contradict_the_args(monkeypatch, tmp_
     """A manifest entry whose PARAMS flag an operand split its ARGS do not take (or the reverse) is refused before
     any launch: the launches would not be the ones the kernel reads."""
     args, params = _exact_variant(True)
-    plain, _ = _generated(FP8_BWD)
+    plain, _ = bs.generated(FP8_BWD)
     over = {BWD: (plain + DIAG_V_SPEC, params),  # PARAMS rows_q, diag_k; ARGS without q_t_scale, k_diag
-            BWD_NC: (_exact_args(False), dict(_plan_bwd(False).params, rows_q=False))}
+            BWD_NC: (_exact_args(False), dict(bs.plan_bwd("mxfp8_exact", False).params, rows_q=False))}
     b, launches = _make_bundle(tmp_path, monkeypatch, bwd_over=over)
     with pytest.raises(ValueError, match=rf"^bwd: backward {BWD} has PARAMS rows_q=True but its ARGS do not name "
                                          r"q_t_scale"):
-        _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+        bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     with pytest.raises(ValueError, match=r"^bwd: .* PARAMS rows_q=False but its ARGS name q_t_scale"):
-        _run(b, BWD_NC)
+        bs.run_backward(b, BWD_NC)
     assert launches == []
 
 
@@ -508,14 +374,14 @@ def test_per_token_do_launch_skips_another_representations_delta_launch(monkeypa
     b, launches = _make_bundle(tmp_path, monkeypatch, tok_uses=["a_decoy.v"] + TOK_USES,
                                tb_delta_uses=(f"{ROUTE}.do", "a_decoy.do"))
     root = str(b.root)
-    prof = _profile(_T, _cu(DOCS))
+    prof = bs.profile_of(_T, bs.cu_seqlens(DOCS))
     assert token_copy_use(root, ROUTE, "do", D) == ("a_decoy", "v")
     from flamia_gen.runtime.attention import pick_do_delta
 
     assert pick_do_delta(root, "a_decoy", D, prof)["name"] == TB_DELTA  # the naive choice
     assert token_copy_do_delta(root, ROUTE, D, prof)["name"] == TOK_DELTA
-    inputs, _ = _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
-    src = _sources(launches, inputs)
+    inputs, _ = bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+    src = bs.arg_sources(launches, inputs)
     assert src["do"] == (TOK_DELTA, "do", "codes") and src["delta"] == (TOK_DELTA, "do", "delta")
 
 
@@ -524,30 +390,30 @@ def test_backward_with_without_a_per_token_do_launch_raises_before_any_launch(mo
     kw = dict(tok_uses=["a_decoy.v"] + TOK_USES, tb_delta_uses=(f"{ROUTE}.do", "a_decoy.do")) if decoy else {}
     b, launches = _make_bundle(tmp_path, monkeypatch, drop=(TOK_DELTA,), **kw)
     with pytest.raises(NoKernelError, match=r"no per-token e4m3 \(ceil\) dO launch .* route 'mxfp8_exact_cand'"):
-        _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+        bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     with pytest.raises(NoKernelError, match=r"no per-token e4m3"):
-        _run(b, BWD_NC)
+        bs.run_backward(b, BWD_NC)
     assert launches == []
 
 
 def test_backward_with_without_a_per_token_quantizer_raises_before_any_launch(monkeypatch, tmp_path):
     b, launches = _make_bundle(tmp_path, monkeypatch, drop=(TOK,))
     with pytest.raises(NoKernelError, match=r"no per-token e4m3 quantizer"):
-        _run(b, BWD_NC)
+        bs.run_backward(b, BWD_NC)
     assert launches == []
 
 
 def test_mxfp8_diag_backward_launches_are_unchanged(monkeypatch, tmp_path):
     """A variant without the split (mxfp8's diag_v backward): one token-block Q, K, V launch each and the route's
     own dO launch (token-block, with_delta) for do, do_t and delta."""
-    plain, fparams = _generated(FP8_BWD)
-    mx = (plain + DIAG_V_SPEC, dict(_plan_bwd(True).params, rows_q=False, diag_k=False))
+    plain, fparams = bs.generated(FP8_BWD)
+    mx = (plain + DIAG_V_SPEC, dict(bs.plan_bwd("mxfp8_exact", True).params, rows_q=False, diag_k=False))
     b, launches = _make_bundle(tmp_path, monkeypatch, bwd_over={BWD: mx})
-    inputs, _ = _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+    inputs, _ = bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     ops = {id(t): n for n, t in inputs.items()}
     assert [(n, ops[id(by["x"])]) for n, by in launches[:-1]] == [
         (TOK, "v"), (TB, "q"), (TB, "k"), (TB, "v"), (TB_DELTA, "do")]
-    src = _sources(launches, inputs)
+    src = bs.arg_sources(launches, inputs)
     assert src["q"] == (TB, "q", "codes") and src["q_t"] == (TB, "q", "codes_t")
     assert src["do"] == (TB_DELTA, "do", "codes") and src["do_t"] == (TB_DELTA, "do", "codes_t")
 
@@ -555,27 +421,18 @@ def test_mxfp8_diag_backward_launches_are_unchanged(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- verify.attn_gpu
 
 
-def _verify_bundle(route="mxfp8_exact", d=64):
-    """A manifest with the plan's forward variants of the route (plan order: tile_n 128 and 192 mixed)."""
-    from types import SimpleNamespace
-
-    fw = [_entry(v.name, "attn_fwd", v.uses or [route], dict(v.params)) for v in _plan_variants("attn_fwd_sm90", route)
-          if v.param("head_dim") == d]
-    return SimpleNamespace(manifest={"variants": [dict(e, uses=[route]) for e in fw]})
-
-
 def test_forward_pairing_keys_on_diag_k_too():
     from flamia_gen.verify.attn_gpu import emulator_forward_tiles, forward_entry_for
 
     fp = dict(head_dim=128, causal=True)
-    n192 = _entry("f_n192", "attn_fwd", ["r"], dict(fp, tile_m=128, tile_n=192))
-    n128 = _entry("f_n128", "attn_fwd", ["r"], dict(fp, tile_m=192, tile_n=128))
+    n192 = bs.manifest_entry("f_n192", "attn_fwd", ["r"], dict(fp, tile_m=128, tile_n=192))
+    n128 = bs.manifest_entry("f_n128", "attn_fwd", ["r"], dict(fp, tile_m=192, tile_n=128))
     from types import SimpleNamespace
 
     b = SimpleNamespace(manifest={"variants": [n192, n128]})
     base = dict(fp, tile_m=64, tile_n=128)
-    k_only = _entry("bk", "attn_bwd", ["r"], dict(base, diag_k=True, diag_v=False))
-    plain = _entry("bp", "attn_bwd", ["r"], dict(base, diag_k=False, diag_v=False))
+    k_only = bs.manifest_entry("bk", "attn_bwd", ["r"], dict(base, diag_k=True, diag_v=False))
+    plain = bs.manifest_entry("bp", "attn_bwd", ["r"], dict(base, diag_k=False, diag_v=False))
     assert forward_entry_for(b, k_only)["name"] == "f_n128" and forward_entry_for(b, plain)["name"] == "f_n192"
     assert emulator_forward_tiles(b, k_only) == dict(fwd_tile_m=192, fwd_tile_n=128)
     assert emulator_forward_tiles(b, plain) == {}
@@ -590,16 +447,16 @@ def test_emulator_takes_the_paired_forward_tiles_of_an_exact_entry():
     from flamia_gen.numerics.reference import attention, attention_backward
     from flamia_gen.verify.attn_gpu import emulator_forward_tiles, emulator_options
 
-    bwd = _plan_bwd(True, d=64)
-    entry = _entry(bwd.name, "attn_bwd", ["mxfp8_exact"], dict(bwd.params))
-    b = _verify_bundle()
+    bwd = bs.plan_bwd("mxfp8_exact", True, d=64)
+    entry = bs.manifest_entry(bwd.name, "attn_bwd", ["mxfp8_exact"], dict(bwd.params))
+    b = bs.plan_fwd_bundle("mxfp8_exact")
     assert {e["params"]["tile_n"] for e in b.manifest["variants"]} == {128, 192}
     tiles = emulator_forward_tiles(b, entry)
     assert tiles["fwd_tile_n"] == entry["params"]["tile_n"] == 128
     opts = emulator_options(entry["params"])
     assert opts["mma"] == "sm90_fp8"
     g = torch.Generator().manual_seed(0)
-    cu = _cu([70, 130])
+    cu = bs.cu_seqlens([70, 130])
     T = int(cu[-1])
     q, do = (torch.randn(T, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -611,39 +468,15 @@ def test_emulator_takes_the_paired_forward_tiles_of_an_exact_entry():
         attention_backward(q, k, v, o, lse, do, cu, True, "mxfp8_exact", **kw, fwd_tile_m=128, fwd_tile_n=192)
 
 
-def _emulated_run_bwd(route, fwd_tile_m=192, fwd_tile_n=128):
-    """verify.attn_gpu._run_bwd's stand-in: the route's emulator as the kernel (the forward on the paired forward's
-    tiles, the backward on the kernel's tiles under the FP8 model), on the CPU."""
-    from flamia_gen.numerics.reference import attention, attention_backward
-
-    def run(bundle, entry, q, k, v, do, cu, poison=True):
-        o, lse = attention(q, k, v, cu, causal=True, route=route, return_lse=True, tile_m=fwd_tile_m,
-                           tile_n=fwd_tile_n, key_align=16, mma="sm90_fp8")
-        o = o.to(torch.bfloat16)
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, cu, True, route, tile_m=64, tile_n=128, key_align=16,
-                                        mma="sm90_fp8", fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n)
-        return o, lse.transpose(0, 1), dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
-    return run
-
-
-def _small_qkv(g):
-    cu = _cu([64, 130, 40])
-    T = int(cu[-1])
-    q = torch.randn(T, 2, 64, generator=g).to(torch.bfloat16)
-    k = torch.randn(T, 1, 64, generator=g).to(torch.bfloat16)
-    v = torch.randn(T, 1, 64, generator=g).to(torch.bfloat16)
-    return q, k, v, cu
-
-
 @pytest.mark.parametrize("route, exact", [("mxfp8_exact", True), ("mxfp8", False)])
 def test_probe_bwd_on_the_route_emulator(monkeypatch, route, exact):
     """The backward probe's criteria hold for mxfp8_exact's numerics (dQ rows before the perturbed token exactly
     unchanged, other documents' dK, dV bit for bit) and catch mxfp8's 32-token-block leak."""
     from flamia_gen.verify import attn_gpu
 
-    monkeypatch.setattr(attn_gpu, "_run_bwd", _emulated_run_bwd(route))
+    monkeypatch.setattr(attn_gpu, "_run_bwd", bs.emulated_run_bwd(route))
     g = torch.Generator().manual_seed(1)
-    q, k, v, cu = _small_qkv(g)
+    q, k, v, cu = bs.small_qkv(g)
     do = torch.randn(q.shape, generator=g).to(torch.bfloat16)
     r = attn_gpu.probe_bwd(None, None, q, k, v, do, cu)
     assert r["dq_run_to_run"] == 0.0 and r["probe_dkv_other_docs_exact"]
@@ -657,14 +490,14 @@ def test_verify_bwd_entry_probes_an_exact_causal_entry(monkeypatch, leak):
     every bound; the same run with a probe that saw dQ move fails."""
     from flamia_gen.verify import attn_gpu
 
-    bwd = _plan_bwd(True, d=64)
-    entry = _entry(bwd.name, "attn_bwd", ["mxfp8_exact"], dict(bwd.params))
-    b = _verify_bundle()
+    bwd = bs.plan_bwd("mxfp8_exact", True, d=64)
+    entry = bs.manifest_entry(bwd.name, "attn_bwd", ["mxfp8_exact"], dict(bwd.params))
+    b = bs.plan_fwd_bundle("mxfp8_exact")
     tiles = attn_gpu.emulator_forward_tiles(b, entry)
     g = torch.Generator().manual_seed(2)
-    q, k, v, cu = _small_qkv(g)
+    q, k, v, cu = bs.small_qkv(g)
     monkeypatch.setattr(attn_gpu, "make_qkv", lambda docs, hq, hkv, d, kind, gen, dev: (q, k, v, cu))
-    monkeypatch.setattr(attn_gpu, "_run_bwd", _emulated_run_bwd("mxfp8_exact", **tiles))
+    monkeypatch.setattr(attn_gpu, "_run_bwd", bs.emulated_run_bwd("mxfp8_exact", **tiles))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
     probed = []

@@ -15,9 +15,6 @@ once the template renders an nvfp4_mixed backward with PARAMS qk_nvfp4,
 
 from __future__ import annotations
 
-import json
-import warnings
-from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,56 +28,37 @@ from flamia_gen.runtime.attn_bwd import (DIAG_V_ARGS, QK_NVFP4_ARGS, bwd_schedul
                                          is_qk_nvfp4_spec, is_scores_bf16_spec, run_attn_bwd)
 from flamia_gen.runtime.nvfp4 import dequantize_bf16
 
-ROOT = Path(__file__).resolve().parents[2]
+try:  # `python -m pytest` from the repository root: tests/ is a namespace package
+    from tests.runtime import bwd_standins as bs
+except ImportError:  # plain `pytest` (rootdir not on sys.path): load the sibling module by path
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_flamia_bwd_standins", Path(__file__).with_name("bwd_standins.py"))
+    bs = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(bs)
+
 BF16QK_BWD = "attn_bwd_sm90_fp8_token_bf16qk_d128_m64n128_s2_wg2_preg_longest_first"
-FP8_BWD = "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"
-HQ, HKV, D = 4, 2, 128
+FP8_BWD = bs.FP8_BWD
+HQ, HKV, D = bs.HQ, bs.HKV, bs.D
 
-DIAG_V_SPEC = [
-    {"name": "v_diag", "dtype": "float8_e4m3fn", "shape": ["T", "HKV", "D"], "role": "in"},
-    {"name": "v_diag_scale", "dtype": "uint8", "shape": ["T", "HKV"], "role": "in"},
-    {"name": "fwd_tile_m", "dtype": "int32", "shape": [], "role": "scalar"},
-]
+DIAG_V_SPEC = bs.DIAG_V_SPEC
 QK_TS_SPEC = [{"name": "qk_tensor_scale", "dtype": "float32", "shape": ["1"], "role": "in"}]
-
-
-def _generated(name: str) -> tuple[list, dict]:
-    src = (ROOT / "generated" / "sm90" / f"{name}.py").read_text()
-    return _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
-
-
-@lru_cache(maxsize=None)
-def _plan_variants(family: str, route: str = "nvfp4_mixed"):
-    from flamia_gen.plan.variants import expand_family
-    from flamia_gen.spec import load_specs
-
-    specs = load_specs()
-    return expand_family(specs.families[family].model_copy(update={"routes": [route]}), specs).variants
-
-
-def _plan_bwd(causal: bool, d: int = D):
-    return next(v for v in _plan_variants("attn_bwd_sm90") if v.param("head_dim") == d and v.param("causal") == causal
-                and not dict(v.params).get("deterministic"))
 
 
 def _nvfp4_args(causal: bool) -> list:
     """The fp8_token_bf16qk backward's ARGS (BF16 q, k) in the order the template emits the NVFP4 route's: ..., dv,
     [causal] v_diag, v_diag_scale, fwd_tile_m, then qk_tensor_scale."""
-    args, _ = _generated(BF16QK_BWD if causal else BF16QK_BWD + "_noncausal")
+    args, _ = bs.generated(BF16QK_BWD if causal else BF16QK_BWD + "_noncausal")
     return args + (DIAG_V_SPEC if causal else []) + QK_TS_SPEC
 
 
 def _nvfp4_variant(causal: bool = True) -> tuple[list, dict]:
     """(ARGS, PARAMS): the plan's (manifest) params of the nvfp4_mixed backward (q_fmt e2m1, diag_v; no qk_nvfp4,
     no fwd_tile_n: the rendered PARAMS add them)."""
-    return _nvfp4_args(causal), dict(_plan_bwd(causal).params)
+    return _nvfp4_args(causal), dict(bs.plan_bwd("nvfp4_mixed", causal).params)
 
 
-def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-
-
-DOCS = [5, 1, 30, 200, 7, 60, 300, 2]
+DOCS = bs.DOCS
 _T = sum(DOCS)
 _TPAD = -(-_T // 16) * 16
 U8 = torch.uint8
@@ -89,7 +67,7 @@ U8 = torch.uint8
 def _inputs(lens=DOCS):
     """run_attn_bwd's common inputs for an NVFP4 variant: BF16 q, k (the dequantized NVFP4 values), E4M3 codes for
     v, do and the token-block copies q_t, k_t."""
-    cu = _cu(lens)
+    cu = bs.cu_seqlens(lens)
     T = int(cu[-1])
     tpad = -(-T // 16) * 16
     g = torch.Generator().manual_seed(0)
@@ -103,34 +81,12 @@ def _inputs(lens=DOCS):
                 do_scale=torch.zeros(T, HQ, dtype=U8), cu_seqlens=cu)
 
 
-def _diag_v(T=_T):
-    return dict(v_diag=torch.full((T, HKV, D), 0x40, dtype=U8), v_diag_scale=torch.full((T, HKV), 121, dtype=U8),
-                fwd_tile_m=192)
-
-
 def _ts():
     return dict(qk_tensor_scale=torch.tensor([0.375], dtype=torch.float32))
 
 
 def _new(causal=True):
-    return dict(_ts(), **(_diag_v() if causal else {}))
-
-
-def _recorder(args_spec):
-    seen = {}
-
-    def fn(*a):
-        assert len(a) == len(args_spec)
-        seen.update({s["name"]: t for s, t in zip(args_spec, a)})
-    return fn, seen
-
-
-_DROP = object()
-
-
-def _with(base: dict, **over) -> dict:
-    kw = dict(base, **over)
-    return {k: v for k, v in kw.items() if v is not _DROP}
+    return dict(_ts(), **(bs.diag_v_inputs(_T) if causal else {}))
 
 
 # ---------------------------------------------------------------- run_attn_bwd
@@ -138,8 +94,8 @@ def _with(base: dict, **over) -> dict:
 
 def test_spec_predicates():
     """The NVFP4 variant is told apart by `qk_tensor_scale` and goes through the scores_bf16 path (BF16 q, k)."""
-    bf16qk, _ = _generated(BF16QK_BWD)
-    fp8, _ = _generated(FP8_BWD)
+    bf16qk, _ = bs.generated(BF16QK_BWD)
+    fp8, _ = bs.generated(FP8_BWD)
     for causal in (True, False):
         nv = _nvfp4_args(causal)
         assert is_qk_nvfp4_spec(nv) and is_scores_bf16_spec(nv)
@@ -154,7 +110,7 @@ def test_run_attn_bwd_passes_bf16_qk_the_copies_and_the_tensor_scale(causal):
     args, params = _nvfp4_variant(causal)
     x = _inputs()
     kw = _new(causal)
-    fn, seen = _recorder(args)
+    fn, seen = bs.recorder(args)
     run_attn_bwd(fn, args, **x, params=params, **kw)
     assert list(seen) == [a["name"] for a in args]
     assert seen["qk_tensor_scale"] is kw["qk_tensor_scale"]
@@ -179,24 +135,24 @@ def test_run_attn_bwd_requires_the_tensor_scale(causal):
     called = []
     with pytest.raises(ValueError, match=r"^qk_tensor_scale: required: .* ts_q·ts_k"):
         run_attn_bwd(lambda *a: called.append(a), args, **_inputs(), params=params,
-                     **_with(_new(causal), qk_tensor_scale=_DROP))
+                     **bs.merged(_new(causal), qk_tensor_scale=bs.DROP))
     assert not called
 
 
 def _other_variants():
-    bf16qk, p1 = _generated(BF16QK_BWD)
-    fp8, p2 = _generated(FP8_BWD)
+    bf16qk, p1 = bs.generated(BF16QK_BWD)
+    fp8, p2 = bs.generated(FP8_BWD)
     x = _inputs()
     fp8_x = dict(x, q=torch.zeros(_T, HQ, D, dtype=U8), k=torch.zeros(_T, HKV, D, dtype=U8))
     mx = dict(p2, diag_v=True, ds_gran="square_32", fwd_tile_n=128)
     return {"fp8_token_bf16qk": (bf16qk, p1, x, {}), "fp8_token": (fp8, p2, fp8_x, {}),
-            "mxfp8": (fp8 + DIAG_V_SPEC, mx, fp8_x, _diag_v())}
+            "mxfp8": (fp8 + DIAG_V_SPEC, mx, fp8_x, bs.diag_v_inputs(_T))}
 
 
 @pytest.mark.parametrize("which", ["fp8_token_bf16qk", "fp8_token", "mxfp8"])
 def test_run_attn_bwd_refuses_the_tensor_scale_elsewhere(which):
     args, params, x, extra = _other_variants()[which]
-    fn, seen = _recorder(args)
+    fn, seen = bs.recorder(args)
     run_attn_bwd(fn, args, **x, params=params, **extra)  # the variant itself runs
     assert "qk_tensor_scale" not in seen
     called = []
@@ -223,7 +179,7 @@ def test_run_attn_bwd_refuses_a_bad_tensor_scale(value, match):
     called = []
     with pytest.raises(ValueError, match=match):
         run_attn_bwd(lambda *a: called.append(a), args, **_inputs(), params=params,
-                     **_with(_new(True), qk_tensor_scale=value))
+                     **bs.merged(_new(True), qk_tensor_scale=value))
     assert not called
 
 
@@ -238,7 +194,7 @@ def test_run_attn_bwd_takes_bf16_qk_and_e4m3_copies_only():
                         (dict(k_scale=None), r"^k_scale: expected a torch.Tensor")):
         with pytest.raises(ValueError, match=match):
             run_attn_bwd(lambda *a: None, args, **dict(x, **over), params=params, **_new(True))
-    fp8, p = _generated(FP8_BWD)
+    fp8, p = bs.generated(FP8_BWD)
     fp8_x = dict(x, q=torch.zeros(_T, HQ, D, dtype=U8), k=torch.zeros(_T, HKV, D, dtype=U8))
     called = []
     with pytest.raises(ValueError, match=r"^args_spec: names qk_tensor_scale but not BF16 q, k"):
@@ -254,7 +210,7 @@ def rendered_nvfp4():
 
     out = {}
     for causal in (True, False):
-        v = _plan_bwd(causal)
+        v = bs.plan_bwd("nvfp4_mixed", causal)
         try:
             src = render_variant(v)
         except Exception as e:  # the template's ERROR_... sentinel until it supports the route
@@ -276,7 +232,7 @@ def test_rendered_nvfp4_variant_takes_what_run_attn_bwd_passes(rendered_nvfp4, c
     assert args[-1]["name"] == "qk_tensor_scale"
     want = {a["name"]: (a["dtype"], a["shape"]) for a in _nvfp4_args(causal)}
     assert by == want
-    fn, seen = _recorder(args)
+    fn, seen = bs.recorder(args)
     run_attn_bwd(fn, args, **_inputs(), params=plan_params, **_new(causal))
     assert set(seen) == set(by)
     # the manifest's params (the plan's) and the rendered ARGS agree for ops.backward_with
@@ -308,23 +264,10 @@ def test_nvfp4_copy_representation_is_the_emulators():
 # ---------------------------------------------------------------- ops.backward_with on a stand-in bundle
 
 
-def _entry(name, kind, uses, params, args=()):
-    return {"name": name, "file": f"kernels/{name}.so", "sha256": "0" * 64, "kind": kind, "family": "x",
-            "spec_hash": "0", "source_sha256": "0", "uses": list(uses), "params": dict(params), "args": list(args)}
-
-
-def _quant_entry(name, uses, **over):
-    args, params = _generated(name)
-    return _entry(over.pop("as_name", name), "quant", uses, dict(params, **over), args)
-
-
 ROUTE = "nvfp4_mixed_cand"  # a candidate route: bundled kernels, no dispatch group, not in the installed plan
 NV = "quant_sm90_e2m1_nvfp4_d128_t128_h1"
-TB = "quant_sm90_e4m3_tb32_ceil_d128_t128_h1"
-TB_DELTA = "quant_sm90_e4m3_tb32_ceil_delta_d128_t128_h1"
+TB, TB_DELTA, TOK, TOK_DELTA = bs.TB, bs.TB_DELTA, bs.TOK, bs.TOK_DELTA
 TB_FLOOR = "quant_sm90_e4m3_tb32_floor_d128_t128_h1"
-TOK = "quant_sm90_e4m3_tok_ceil_d128_t128_h1"
-TOK_DELTA = "quant_sm90_e4m3_tok_ceil_delta_d128_t128_h1"
 FWD_N192 = f"attn_fwd_sm90_{ROUTE}_d128_a_m128n192"  # first by name: the op's forward choice
 FWD_N128 = f"attn_fwd_sm90_{ROUTE}_d128_b_m192n128"
 BWD = f"attn_bwd_sm90_{ROUTE}_d128_m64n128"
@@ -335,10 +278,10 @@ TOK_USES = ["fp8_token.do", "fp8_token.k", "fp8_token.q", "fp8_token.v"]
 # token-block E4M3 quantizers the copy lookup must pass over (their names sort first): another exponent rule, a
 # rotation, another head dim, a dO launch
 DECOYS = [
-    _quant_entry(TB_FLOOR, ["zz_floor.q"], as_name="quant_sm90_aa0_tb32_floor"),
-    _quant_entry(TB, ["zz_had.q"], as_name="quant_sm90_aa1_tb32_ceil_had", hadamard=True),
-    _quant_entry(TB, ["zz_d64.q"], as_name="quant_sm90_aa2_tb32_ceil_d64", head_dim=64),
-    _quant_entry(TB_DELTA, ["zz_delta.do"], as_name="quant_sm90_aa3_tb32_ceil_delta"),
+    bs.quant_entry(TB_FLOOR, ["zz_floor.q"], as_name="quant_sm90_aa0_tb32_floor"),
+    bs.quant_entry(TB, ["zz_had.q"], as_name="quant_sm90_aa1_tb32_ceil_had", hadamard=True),
+    bs.quant_entry(TB, ["zz_d64.q"], as_name="quant_sm90_aa2_tb32_ceil_d64", head_dim=64),
+    bs.quant_entry(TB_DELTA, ["zz_delta.do"], as_name="quant_sm90_aa3_tb32_ceil_delta"),
 ]
 
 
@@ -348,99 +291,40 @@ def _make_bundle(tmp_path, monkeypatch, *, drop=(), tb_uses=TB_USES, v_quant=Non
     the causal and non-causal backward) with Python stand-ins for the kernels. Every quantizer launch fills its
     outputs with values of its own (a launch counter; NVFP4: random codes and finite E4M3 block scales drawn from
     it, tensor scale n + 0.5) and is recorded with its inputs; returns (bundle, launches)."""
-    from flamia_gen.runtime.attention import _bundle
-    from flamia_gen.runtime.bundle import Bundle
-
     fp = dict(head_dim=128, causal=True, diag_v=True, q_fmt="e2m1")
     variants = list(decoys) + [
-        _quant_entry(NV, [f"{ROUTE}.k", f"{ROUTE}.q"]),
-        _quant_entry(TB, list(tb_uses)),
-        _quant_entry(TB_DELTA, ["mxfp8.do", f"{ROUTE}.do"]),
-        _quant_entry(TOK, TOK_USES),
-        _quant_entry(TOK_DELTA, ["fp8_token.do"]),
-        _entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
-        _entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
+        bs.quant_entry(NV, [f"{ROUTE}.k", f"{ROUTE}.q"]),
+        bs.quant_entry(TB, list(tb_uses)),
+        bs.quant_entry(TB_DELTA, ["mxfp8.do", f"{ROUTE}.do"]),
+        bs.quant_entry(TOK, TOK_USES),
+        bs.quant_entry(TOK_DELTA, ["fp8_token.do"]),
+        bs.manifest_entry(FWD_N192, "attn_fwd", [ROUTE], dict(fp, tile_m=128, tile_n=192)),
+        bs.manifest_entry(FWD_N128, "attn_fwd", [ROUTE], dict(fp, tile_m=192, tile_n=128)),
     ]
     if v_quant is not None:
         variants.append(v_quant)
     for name, causal in ((BWD, True), (BWD_NC, False)):
         args, params = (bwd_over or {}).get(name, _nvfp4_variant(causal))
-        variants.append(_entry(name, "attn_bwd", [ROUTE], params, args))
+        variants.append(bs.manifest_entry(name, "attn_bwd", [ROUTE], params, args))
     variants = [v for v in variants if v["name"] not in drop]
-    d = tmp_path / "bundle_nvfp4"
-    d.mkdir()
-    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
-    launches = []
+    return bs.standin_bundle(tmp_path, monkeypatch, "bundle_nvfp4", variants, _fill_nvfp4)
 
-    def stand_in(name):
-        entry = next(v for v in variants if v["name"] == name)
 
-        def fn(*args):
-            by = {a["name"]: t for a, t in zip(entry["args"], args)}
-            launches.append((name, by))
-            if entry["kind"] == "quant":
-                n = len(launches)
-                if "tensor_scale" in by:  # NVFP4: packed E2M1 codes, E4M3 block scales in [2^-3, 2^3]
-                    g = torch.Generator().manual_seed(n)
-                    by["codes"].copy_(torch.randint(0, 256, by["codes"].shape, generator=g, dtype=torch.uint8))
-                    by["scales"].copy_(torch.randint(0x20, 0x50, by["scales"].shape, generator=g,
-                                                     dtype=torch.uint8))
-                    by["tensor_scale"].fill_(n + 0.5)
-                    return
-                by["codes"].fill_(n)
-                by["codes_t"].fill_(n + 100)
-                by["scales"].fill_(n + 200)
-                if "delta" in by:
-                    by["delta"].fill_(float(n))
-                    by["dq_accum"].zero_()
-        return fn
-
-    monkeypatch.setattr(Bundle, "get", lambda self, name: stand_in(name))
-    return _bundle(str(d.resolve())), launches
+def _fill_nvfp4(name, by, n):
+    """A stand-in quantizer's outputs from launch number n: bs.fill_by_launch, or for NVFP4 (a tensor_scale output)
+    random packed E2M1 codes, E4M3 block scales in [2^-3, 2^3] and tensor scale n + 0.5."""
+    if "tensor_scale" not in by:
+        bs.fill_by_launch(name, by, n)
+        return
+    g = torch.Generator().manual_seed(n)
+    by["codes"].copy_(torch.randint(0, 256, by["codes"].shape, generator=g, dtype=torch.uint8))
+    by["scales"].copy_(torch.randint(0x20, 0x50, by["scales"].shape, generator=g, dtype=torch.uint8))
+    by["tensor_scale"].fill_(n + 0.5)
 
 
 @pytest.fixture
 def nv_bundle(monkeypatch, tmp_path):
     return _make_bundle(tmp_path, monkeypatch)
-
-
-def _bf16(lens=DOCS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cu = _cu(lens)
-    T = int(cu[-1])
-    q = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    k = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    v = torch.randn(T, HKV, D, generator=g).to(torch.bfloat16)
-    do = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    o = torch.randn(T, HQ, D, generator=g).to(torch.bfloat16)
-    return q, k, v, do, o, cu
-
-
-def _profile(T, cu):
-    from flamia_gen.runtime.attention import doc_profile
-
-    return doc_profile(T, cu, 300)
-
-
-def _run(b, bwd_name, **kw):
-    q, k, v, do, o, cu = _bf16()
-    T = q.shape[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the dispatch table knows no candidate route
-        ops_mod.backward_with(b, b.variants[bwd_name], do, q, k, v, o, torch.zeros(HQ, T), cu, _profile(T, cu), **kw)
-    return dict(q=q, k=k, v=v, do=do), o
-
-
-def _sources(launches, inputs):
-    """Per kernel argument, the (quantizer, operand, output field) it is (same storage), or None."""
-    kern = launches[-1][1]
-    which = {id(t): n for n, t in inputs.items()}
-    outs = {}
-    for name, by in launches[:-1]:
-        for field in ("codes", "codes_t", "scales", "tensor_scale", "delta", "dq_accum"):
-            if field in by:
-                outs[(by[field].data_ptr(), tuple(by[field].shape))] = (name, which[id(by["x"])], field)
-    return {a: outs.get((t.data_ptr(), tuple(t.shape))) for a, t in kern.items() if isinstance(t, torch.Tensor)}
 
 
 def _launch_of(launches, inputs, quant, operand):
@@ -482,13 +366,13 @@ def _check_nvfp4_qk(launches, inputs):
 
 def test_backward_with_feeds_each_argument_from_the_right_launch(nv_bundle):
     b, launches = nv_bundle
-    inputs, o = _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+    inputs, o = bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     ops = {id(t): n for n, t in inputs.items()}
     assert [(n, ops[id(by["x"])]) for n, by in launches[:-1]] == [
         (TOK, "v"), (NV, "q"), (TB, "q"), (NV, "k"), (TB, "k"), (TB, "v"), (TB_DELTA, "do")]
     assert launches[-1][0] == BWD
     assert launches[-2][1]["o"] is o  # the dO launch (delta = rowsum(dO∘O))
-    src = _sources(launches, inputs)
+    src = bs.arg_sources(launches, inputs)
     assert {a: src[a] for a in list(EXPECTED) + list(EXPECTED_DIAG)} == dict(EXPECTED, **EXPECTED_DIAG)
     assert src["q"] is None and src["k"] is None  # new tensors (dequantized), no launch's output storage
     _check_nvfp4_qk(launches, inputs)
@@ -502,11 +386,11 @@ def test_backward_with_noncausal_nvfp4_variant(nv_bundle):
     """No diagonal decisions: no per-token V launch, no forward pairing (the op's forward of tile_n 192 is not
     refused); Q and K still launched twice."""
     b, launches = nv_bundle
-    inputs, _ = _run(b, BWD_NC)
+    inputs, _ = bs.run_backward(b, BWD_NC)
     ops = {id(t): n for n, t in inputs.items()}
     assert [(n, ops[id(by["x"])]) for n, by in launches[:-1]] == [
         (NV, "q"), (TB, "q"), (NV, "k"), (TB, "k"), (TB, "v"), (TB_DELTA, "do")]
-    src = _sources(launches, inputs)
+    src = bs.arg_sources(launches, inputs)
     assert {a: src[a] for a in EXPECTED} == EXPECTED
     _check_nvfp4_qk(launches, inputs)
     assert not set(EXPECTED_DIAG) & set(launches[-1][1])
@@ -517,7 +401,7 @@ def test_backward_with_refuses_forward_codes(nv_bundle):
     for name in (BWD, BWD_NC):
         with pytest.raises(ValueError, match=r"^codes: backward .* quantizes Q and K twice \(NVFP4 for Sᵀ, E4M3 "
                                              r"token-block for dK, dQ\) itself: it needs the BF16 q, k, v"):
-            _run(b, name, codes=[torch.zeros(1)], fwd_params=b.variants[FWD_N128]["params"])
+            bs.run_backward(b, name, codes=[torch.zeros(1)], fwd_params=b.variants[FWD_N128]["params"])
     assert launches == []
 
 
@@ -525,7 +409,7 @@ def test_backward_with_refuses_a_forward_of_another_tile_n(nv_bundle):
     b, launches = nv_bundle
     with pytest.raises(ValueError, match=rf"^fwd_params: forward variant {FWD_N192} .* tile_n=192, but backward "
                                          rf"{BWD} .* tile_n=128"):
-        _run(b, BWD)
+        bs.run_backward(b, BWD)
     assert launches == []
 
 
@@ -533,16 +417,16 @@ def test_backward_with_refuses_params_that_contradict_the_args(monkeypatch, tmp_
     """A manifest entry whose PARAMS say NVFP4 Q, K (plan q_fmt e2m1, or the rendered qk_nvfp4) while its ARGS take no
     qk_tensor_scale (a kernel rendered before the template knew the route: FP8 Q, K codes), or the reverse, is refused
     before any launch."""
-    fp8, _ = _generated(FP8_BWD)
+    fp8, _ = bs.generated(FP8_BWD)
     _, params = _nvfp4_variant(True)
     nc_args, nc_params = _nvfp4_variant(False)
     over = {BWD: (fp8 + DIAG_V_SPEC, params), BWD_NC: (nc_args, dict(nc_params, qk_nvfp4=False))}
     b, launches = _make_bundle(tmp_path, monkeypatch, bwd_over=over)
     with pytest.raises(ValueError, match=rf"^bwd: backward {BWD} has PARAMS q_fmt=e2m1 but its ARGS do not name "
                                          r"qk_tensor_scale"):
-        _run(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
+        bs.run_backward(b, BWD, fwd_params=b.variants[FWD_N128]["params"])
     with pytest.raises(ValueError, match=r"^bwd: .* PARAMS qk_nvfp4=False but its ARGS name qk_tensor_scale"):
-        _run(b, BWD_NC)
+        bs.run_backward(b, BWD_NC)
     assert launches == []
     # the rendered flag wins over q_fmt; both agreeing with the ARGS pass
     assert ops_mod.qk_nvfp4_operands(dict(b.variants[BWD_NC], params=dict(nc_params, qk_nvfp4=True)))
@@ -565,8 +449,8 @@ def test_token_block_copy_found_past_decoys(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"^granularity: 'tensor'"):
         token_copy_use(root, ROUTE, "q", D, "tensor")
     # and the op launches that quantizer for q_t, k_t
-    inputs, _ = _run(b, BWD_NC)
-    src = _sources(launches, inputs)
+    inputs, _ = bs.run_backward(b, BWD_NC)
+    src = bs.arg_sources(launches, inputs)
     assert {a: src[a] for a in ("q_t", "k_t", "q_scale", "k_scale")} == {a: EXPECTED[a] for a in
                                                                          ("q_t", "k_t", "q_scale", "k_scale")}
 
@@ -581,7 +465,7 @@ def test_token_block_copy_of_the_route_itself(monkeypatch, tmp_path):
 def test_missing_token_block_copy_raises_naming_it_before_any_launch(monkeypatch, tmp_path):
     """No E4M3 token-block ceil plain quantizer bundled (V is served by a floor one; the ceil dO launch is with_delta,
     the others are decoys): NoKernelError naming the copy, before any launch."""
-    v_floor = _quant_entry(TB_FLOOR, [f"{ROUTE}.v"])
+    v_floor = bs.quant_entry(TB_FLOOR, [f"{ROUTE}.v"])
     b, launches = _make_bundle(tmp_path, monkeypatch, drop=(TB,), v_quant=v_floor, decoys=DECOYS)
     root = str(b.root)
     msg = (rf"no token-block e4m3 \(ceil\) quantizer \(the copy of {ROUTE}.q that dK = dSᵀ·Q and dQ = dS·K read, "
@@ -592,14 +476,14 @@ def test_missing_token_block_copy_raises_naming_it_before_any_launch(monkeypatch
         token_copy_use(root, ROUTE, "k", D, "token_block")
     for name in (BWD_NC, BWD):
         with pytest.raises(NoKernelError, match=msg):
-            _run(b, name, fwd_params=b.variants[FWD_N128]["params"])
+            bs.run_backward(b, name, fwd_params=b.variants[FWD_N128]["params"])
     assert launches == []
 
 
 def test_missing_nvfp4_quantizer_raises_before_any_launch(monkeypatch, tmp_path):
     b, launches = _make_bundle(tmp_path, monkeypatch, drop=(NV,))
     with pytest.raises(NoKernelError, match=rf"no quant kernel for route='{ROUTE}' operand=q"):
-        _run(b, BWD_NC)
+        bs.run_backward(b, BWD_NC)
     with pytest.raises(NoKernelError, match=rf"no quantizer for {ROUTE}.q"):
         token_copy_use(str(b.root), ROUTE, "q", D, "token_block")
     assert launches == []
@@ -608,23 +492,16 @@ def test_missing_nvfp4_quantizer_raises_before_any_launch(monkeypatch, tmp_path)
 # ---------------------------------------------------------------- verify.attn_gpu on the emulator
 
 
-def _verify_bundle(route="nvfp4_mixed", d=64):
-    """A manifest with the plan's forward variants of the route (tile_n 128 and, non-causal, 192)."""
-    fw = [_entry(v.name, "attn_fwd", [route], dict(v.params)) for v in _plan_variants("attn_fwd_sm90", route)
-          if v.param("head_dim") == d]
-    return SimpleNamespace(manifest={"variants": fw})
-
-
 def _bwd_entry(causal=True, d=64):
-    v = _plan_bwd(causal, d)
-    return _entry(v.name, "attn_bwd", ["nvfp4_mixed"], dict(v.params))
+    v = bs.plan_bwd("nvfp4_mixed", causal, d)
+    return bs.manifest_entry(v.name, "attn_bwd", ["nvfp4_mixed"], dict(v.params))
 
 
 def test_verify_pairs_an_nvfp4_entry_and_its_emulator_options():
     from flamia_gen.verify.attn_gpu import (emulator_forward_tiles, emulator_options, expected_grad_cosine,
                                             forward_entry_for)
 
-    b = _verify_bundle()
+    b = bs.plan_fwd_bundle("nvfp4_mixed")
     causal, nc = _bwd_entry(True), _bwd_entry(False)
     fe = forward_entry_for(b, causal)
     assert fe["params"]["tile_n"] == 128 and fe["params"]["causal"] and fe["params"]["q_fmt"] == "e2m1"
@@ -637,15 +514,6 @@ def test_verify_pairs_an_nvfp4_entry_and_its_emulator_options():
     no128 = SimpleNamespace(manifest={"variants": [e for e in b.manifest["variants"] if e["params"]["tile_n"] != 128]})
     with pytest.raises(LookupError, match=r"tile_n=128 \(the diag_v backward's fwd_tile_n\)"):
         forward_entry_for(no128, causal)
-
-
-def _small_qkv(g, lens=(64, 130, 40)):
-    cu = _cu(list(lens))
-    T = int(cu[-1])
-    q = torch.randn(T, 2, 64, generator=g).to(torch.bfloat16)
-    k = torch.randn(T, 1, 64, generator=g).to(torch.bfloat16)
-    v = torch.randn(T, 1, 64, generator=g).to(torch.bfloat16)
-    return q, k, v, cu
 
 
 @pytest.mark.parametrize("fwd_tile_m", [128, 192])
@@ -663,7 +531,7 @@ def test_emulator_backward_of_the_nvfp4_route(fwd_tile_m):
                      fwd_tile_m=fwd_tile_m, fwd_tile_n=128)
     assert plan.mma_dk and plan.mma_dq and plan.mma_dv and plan.mma_dp and not plan.mma_qk and plan.per_key_v
     g = torch.Generator().manual_seed(3)
-    q, k, v, cu = _small_qkv(g, (70, 130, 33))
+    q, k, v, cu = bs.small_qkv(g, (70, 130, 33))
     do = torch.randn(q.shape, generator=g).to(torch.bfloat16)
     o, lse = attention(q, k, v, cu, causal=True, route="nvfp4_mixed", return_lse=True, tile_m=fwd_tile_m, tile_n=128,
                        key_align=16, mma="sm90_fp8")
@@ -676,21 +544,6 @@ def test_emulator_backward_of_the_nvfp4_route(fwd_tile_m):
         assert float(cosine(e, x)) >= expected_grad_cosine("nvfp4_mixed"), name
 
 
-def _emulated_run_bwd(route, fwd_tile_m, fwd_tile_n=128):
-    """verify.attn_gpu._run_bwd's stand-in: the route's emulator as the kernel (the forward on the paired forward's
-    tiles, the backward on the kernel's tiles under the FP8 model), on the CPU."""
-    from flamia_gen.numerics.reference import attention, attention_backward
-
-    def run(bundle, entry, q, k, v, do, cu, poison=True):
-        o, lse = attention(q, k, v, cu, causal=True, route=route, return_lse=True, tile_m=fwd_tile_m,
-                           tile_n=fwd_tile_n, key_align=16, mma="sm90_fp8")
-        o = o.to(torch.bfloat16)
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, cu, True, route, tile_m=64, tile_n=128, key_align=16,
-                                        mma="sm90_fp8", fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n)
-        return o, lse.transpose(0, 1), dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
-    return run
-
-
 def test_verify_bwd_entry_on_the_nvfp4_emulator(monkeypatch):
     """verify_bwd_entry for a causal nvfp4_mixed entry, its "kernel" the route's emulator on the paired forward's
     tiles: every bound holds (emulator cosine, the route's fp32 floor, no NaN), the row carries the forward's tiles,
@@ -698,12 +551,12 @@ def test_verify_bwd_entry_on_the_nvfp4_emulator(monkeypatch):
     from flamia_gen.verify import attn_gpu
 
     entry = _bwd_entry(True)
-    b = _verify_bundle()
+    b = bs.plan_fwd_bundle("nvfp4_mixed")
     tiles = attn_gpu.emulator_forward_tiles(b, entry)
     g = torch.Generator().manual_seed(2)
-    q, k, v, cu = _small_qkv(g)
+    q, k, v, cu = bs.small_qkv(g)
     monkeypatch.setattr(attn_gpu, "make_qkv", lambda docs, hq, hkv, d, kind, gen, dev: (q, k, v, cu))
-    monkeypatch.setattr(attn_gpu, "_run_bwd", _emulated_run_bwd("nvfp4_mixed", **tiles))
+    monkeypatch.setattr(attn_gpu, "_run_bwd", bs.emulated_run_bwd("nvfp4_mixed", **tiles))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
     probed = []
@@ -724,9 +577,9 @@ def test_probe_bwd_on_the_nvfp4_emulator(monkeypatch):
     from flamia_gen.verify import attn_gpu
 
     assert not get_route("nvfp4_mixed").exact
-    monkeypatch.setattr(attn_gpu, "_run_bwd", _emulated_run_bwd("nvfp4_mixed", 128))
+    monkeypatch.setattr(attn_gpu, "_run_bwd", bs.emulated_run_bwd("nvfp4_mixed", 128))
     g = torch.Generator().manual_seed(1)
-    q, k, v, cu = _small_qkv(g)
+    q, k, v, cu = bs.small_qkv(g)
     do = torch.randn(q.shape, generator=g).to(torch.bfloat16)
     r = attn_gpu.probe_bwd(None, None, q, k, v, do, cu)
     assert r["dq_run_to_run"] == 0.0
