@@ -25,8 +25,8 @@ from __future__ import annotations
 import sys
 
 from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, build_variants_bundle, experiment_cli, experiment_table,
-                              experiment_variants, print_experiments, run_entries, run_exit_code,  # noqa: F401
-                              select_entries, split_name, split_tags)
+                              experiment_variants, matches_any, print_experiments, run_entries,  # noqa: F401
+                              run_exit_code, select_entries, split_name, split_tags)
 
 # the FP8 tile with a dS amax (fp8_token, fp8_token_bf16qk: the template's qk8), where bwd_alu_trim applies
 _qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa: E731
@@ -99,8 +99,13 @@ def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
     return bwd, fwd + quant
 
 
-def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=()) -> dict:
+def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=(), variant_globs=()) -> dict:
+    """`variant_globs` (none: all) narrows the backward variants the experiments copy, by base name."""
     bwd, support = base_variants(candidates=candidates)
+    if variant_globs:
+        bwd = [v for v in bwd if matches_any(v.name, variant_globs)]
+        if not bwd:
+            raise SystemExit(f"no backward variant matches {list(variant_globs)}")
     tagged = experiment_variants(flags, base_variants=bwd, experiments=EXPERIMENTS)
     return build_variants_bundle(out_dir, [v for _, v in tagged] + support, jobs=jobs)
 
@@ -213,7 +218,8 @@ def main(argv=None) -> int:
     if a.cmd == "list":
         return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
-        m = build(a.out, split_tags(a.only), jobs=a.jobs, candidates=split_tags(a.candidates))
+        m = build(a.out, split_tags(a.only), jobs=a.jobs, candidates=split_tags(a.candidates),
+                  variant_globs=split_tags(a.variants))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)

@@ -45,6 +45,24 @@ EXPERIMENTS: dict[str, dict] = {
     # fwd_window_pass (on since 2026-12-01): the per-row-limit windows of 2026-11-29, for a same-process A/B
     "nowpass": dict(over={"fwd_window_pass": False}, when=lambda p: True,
                     note="windows by per-row limits live across the tile loops (the kernel of 2026-11-29)"),
+    # round 12 (2026-12-02, docs/kernels/attn_fwd.md "Round 12"): shorter dependent chains per tile of the plain
+    # (no-overlap) forward; measured on the H200 and not adopted (pvd: −17 % on the 3-warpgroup kernel, which
+    # then spills; mt4: −1 %)
+    "pvd": dict(over={"pv_defer": True}, when=lambda p: not p["intra_wg_overlap"],
+                note="PV not waited for alone: the next QKᵀ is issued behind it, one wait covers both"),
+    "mt4": dict(over={"max_tree": 4}, when=lambda p: True, note="row max of pass 1 in 4 partial chains per row"),
+    "ring8": dict(over={"ex2_ring": 8}, when=lambda p: not p["intra_wg_overlap"] and p["tile_n"] == 128,
+                  note="the ex2 turn handed on after half of pass 2 (8 of 16 column groups)"),
+    # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap): the A/B
+    # against the kernel without them
+    "noring": dict(over={"ex2_ring": False}, when=lambda p: not p["intra_wg_overlap"],
+                   note="without the ex2 turns of the consumer warpgroups"),
+    "ringon": dict(over={"ex2_ring": True}, when=lambda p: not p["intra_wg_overlap"] and p["q_fmt"] != "e4m3",
+                   note="the ex2 turns where they are off by default (BF16 QKᵀ: nvfp4_mixed, fp8_pv, fp8_token_bf16qk)"),
+    "nokperm": dict(over={"k_row_perm": False}, when=lambda p: p["q_fmt"] == "e4m3",
+                    note="the P permutation by shuffles instead of the K-row-permuting TMA"),
+    "r11": dict(over={"ex2_ring": False, "k_row_perm": False}, when=lambda p: True,
+                note="the kernel before round 12 (neither)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"
@@ -93,10 +111,23 @@ def build_variants_bundle(out_dir, vs, *, jobs: int = 2) -> dict:
     return m
 
 
-def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE) -> dict:
+def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE,
+                             variant_globs=()) -> dict:
     """Build the default variants and every experiment's overridden variants into ONE bundle at
-    `out_dir` (one runtime copy). Needs the DSL (imported lazily through the builder)."""
-    return build_variants_bundle(out_dir, [v for _, v in experiment_variants(flags, route)], jobs=jobs)
+    `out_dir` (one runtime copy), narrowed to the base variants whose names match one of `variant_globs`
+    (none: all). Needs the DSL (imported lazily through the builder)."""
+    pairs = experiment_variants(flags, route)
+    if variant_globs:
+        pairs = [(t, v) for t, v in pairs if matches_any(split_name(v.name)[0], variant_globs)]
+        if not pairs:
+            raise SystemExit(f"no {route} forward variant matches {list(variant_globs)}")
+    return build_variants_bundle(out_dir, [v for _, v in pairs], jobs=jobs)
+
+
+def matches_any(name: str, globs) -> bool:
+    from fnmatch import fnmatchcase
+
+    return any(fnmatchcase(name, g) for g in globs)
 
 
 def split_name(name: str, experiments=None) -> tuple[str, str]:
@@ -266,6 +297,7 @@ def experiment_cli(prog: str, doc: str, default_out: str, default_flags, run_hel
     bp.add_argument("-o", "--out", default=default_out)
     bp.add_argument("--only", default=",".join(default_flags), help="comma-separated experiment tags")
     bp.add_argument("--jobs", type=int, default=2)
+    bp.add_argument("--variants", default="", help="comma-separated name globs of the base variants to build")
     rp = sub.add_parser("run", help=run_help)
     rp.add_argument("bundle")
     rp.add_argument("--only", default="", help="comma-separated tags; 'default' for the unflagged variants")
@@ -303,7 +335,7 @@ def main(argv=None) -> int:
     if a.cmd == "list":
         return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
-        m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs)
+        m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs, variant_globs=split_tags(a.variants))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
                iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)

@@ -56,8 +56,9 @@ PARAMS = {
     "scheduler": "longest_first",
     "causal": False,
     "exp_approx": "ex2",
-    "k_row_perm": False,
+    "k_row_perm": True,
     "fwd_window_pass": True,
+    "ex2_ring": True,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
     "flamia_version": "0.1.0",
@@ -88,7 +89,8 @@ NUM_WG = 3
 CAUSAL = False
 SM_COUNT = 132
 KEY_ALIGN = 16  # keys: the Vᵀ TMA's innermost coordinate must be a multiple of 16 bytes
-K_ROW_PERM = False  # K tile rows permuted within 16-key groups (key_of_col)
+K_ROW_PERM = True  # K tile rows permuted within 16-key groups (key_of_col)
+EX2_RING_BAR0 = 5  # named barriers 5 … 4 + NUM_WG (1 … NUM_WG: the epilogue's, 3 and 4: the ping-pong's)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -240,13 +242,17 @@ def key_tiling(m_block, doc_start, doc_len):
 
 
 def key_of_col(c):
-    """Key (offset within the key tile) held by S column / K smem row c.    Plain integer arithmetic (Python ints in tests, Int32 in the kernel)."""
-    return c
+    """Key (offset within the key tile) held by S column / K smem row c.
+    K_ROW_PERM: within each 16-key group, column bits (c3 c2 c1 c0) hold key bits
+    (c2 c1 c3 c0): thread t of a quad then holds, for rows r and r+8, S columns 8a + 2t + b =
+    keys 4t + 2a + b (a, b ∈ {0, 1}) of each 16-key half, exactly the k32 E4M3 A fragment of PV
+    (keys 4t..4t+3), so P goes to PV with the cvt packing only. V keeps the natural order.    Plain integer arithmetic (Python ints in tests, Int32 in the kernel)."""
+    return (c & -16) | (c & 1) | (((c >> 3) & 1) << 1) | (((c >> 1) & 3) << 2)
 
 
 def col_of_key(k):
     """Inverse of key_of_col: the S column / K smem row holding key k of the tile."""
-    return k
+    return (k & -16) | (k & 1) | (((k >> 1) & 1) << 3) | (((k >> 2) & 3) << 1)
 
 
 def scale_word(c, which):
@@ -319,8 +325,14 @@ class AttnFwdSm90:
         return qk, pv
 
     def k_view(self, mK: cute.Tensor, mV: cute.Tensor) -> cute.Tensor:
-        """K as the TMA sees it. (T, H, D) → (T, D, H): the TMA box is (keys, D) of one head."""
-        return cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+        """K as the TMA sees it. K_ROW_PERM: (T_PAD, HKV·D) view, tokens split (2, 4, 2, T_PAD/16)
+        with strides (1, 4, 2, 16) tokens, so smem row r of a tile (16-aligned start) receives key
+        key_of_col(r): a rank-5 TMA (HKV·D, 2, 4, 2, tile_n/16). Reads up to T_PAD rows of k: the host
+        wrapper pads k."""
+        k_row = mK.shape[1] * mK.shape[2]
+        k_tpad16 = mV.shape[2] // 16
+        return cute.make_tensor(mK.iterator, cute.make_layout(
+            ((2, 4, 2, k_tpad16), k_row), stride=((k_row, 4 * k_row, 2 * k_row, 16 * k_row), 1)))
 
     def v_view(self, mV: cute.Tensor) -> cute.Tensor:
         """(HKV, D, T_PAD) → (D, T_PAD, HKV): the TMA box is (D, keys) of one head."""
@@ -449,7 +461,8 @@ class AttnFwdSm90:
                                      (self.tile_m, self.head_dim), (0, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                    cute.group_modes(gQ, 0, 2))
-                gK = cute.local_tile(cute.domain_offset((key_base, 0), mK[None, None, hkv]),
+                # key_base is a multiple of 16: the permutation stays inside 16-key groups
+                gK = cute.local_tile(cute.domain_offset((key_base, hkv * self.head_dim), mK),
                                      (self.tile_n, self.head_dim), (None, 0))
                 tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                                    cute.group_modes(gK, 0, 2))
@@ -550,6 +563,9 @@ class AttnFwdSm90:
         row_q = cute.make_rmem_tensor((2,), Float32)
 
         T = mO.shape[0]
+        # ex2_ring: the first turn is warpgroup 0's (the last one's arrive); one arrive stays pending at exit
+        if wg == 2:
+            cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0, number_of_threads=256)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
@@ -684,6 +700,8 @@ class AttnFwdSm90:
             row_max[rh] = m_new
             m_arg[rh] = mu - Float32(8.0)  # ex2 then yields P̂ = 2^8·exp2(y − m)
             rs[rh] = Float32(0.0)
+        cwg = cute.arch.make_warp_uniform(cute.arch.warp_idx() // 4) - 1  # consumer warpgroup (0 = producer's)
+        cute.arch.barrier(barrier_id=EX2_RING_BAR0 + cwg, number_of_threads=256)  # ex2_ring: this one's turn
         # pass 2: one ex2 per element gives P (for PV) and the denominator term
         for cg in cutlass.range_constexpr(16):
             fi = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 2), 2)  # 2^(−ev−8) ×2
@@ -694,6 +712,10 @@ class AttnFwdSm90:
                     e = ex2(acc_S[i] - m_arg[rh])
                     rs[rh] = rs[rh] + e * inv  # exp2(x − m)
                     acc_S[i] = e
+        nxt = cwg + 1
+        if nxt == 3:
+            nxt = Int32(0)
+        cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0 + nxt, number_of_threads=256)
         for rh in cutlass.range_constexpr(2):
             row_sum[rh] = row_sum[rh] * scale_o[rh] + rs[rh]
         return scale_o
@@ -720,36 +742,12 @@ class AttnFwdSm90:
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """fp32 S-accumulator layout → the A-operand register fragment of PV."""
         rP = cute.recast_tensor(tOrP, Uint32)
-        # The FP8 A fragment (k32) gives thread t of a quad keys 4t..4t+3 of each 16-key half;
-        # the accumulator gives it keys 2t, 2t+1 of each 8-key group. Two shuffles per 16-key
-        # half move 16-bit pairs between the four threads, one prmt per register reassembles.
-        lane = cute.arch.lane_idx()
-        t = lane % 4
-        base = lane - t
-        src_a = base + (((t & 1) << 1) | (t >> 1))
-        src_b = src_a ^ 1
-        first_half = t < 2
-        # receivers t ≥ 2 swap (got_a, got_b): folded into lane-dependent prmt selectors
-        # (prmt(a, b, 0x1054) == prmt(b, a, 0x5410), prmt(a, b, 0x3276) == prmt(b, a, 0x7632))
-        sel_lo = Uint32(0x1054)
-        sel_hi = Uint32(0x3276)
-        if first_half:
-            sel_lo = Uint32(0x5410)
-            sel_hi = Uint32(0x7632)
+        # K_ROW_PERM: the accumulator already holds the fragment's keys (key_of_col); pack only.
         for kb in cutlass.range_constexpr(self.tile_n // 32):
             for q in cutlass.range_constexpr(2):
-                cg = 4 * kb + 2 * q
-                w0 = pack_e4m3x4(acc_S[4 * cg], acc_S[4 * cg + 1], acc_S[4 * cg + 2], acc_S[4 * cg + 3])
-                w1 = pack_e4m3x4(acc_S[4 * cg + 4], acc_S[4 * cg + 5], acc_S[4 * cg + 6], acc_S[4 * cg + 7])
-                send_a = w1
-                send_b = w0
-                if (t & 1) == 0:
-                    send_a = w0
-                    send_b = w1
-                got_a = Uint32(cute.arch.shuffle_sync(send_a, offset=src_a))
-                got_b = Uint32(cute.arch.shuffle_sync(send_b, offset=src_b))
-                rP[4 * kb + 2 * q] = prmt(got_a, got_b, sel_lo)
-                rP[4 * kb + 2 * q + 1] = prmt(got_a, got_b, sel_hi)
+                for rh in cutlass.range_constexpr(2):
+                    a0, a1, a2, a3 = p_pack(kb, q, rh)
+                    rP[4 * kb + 2 * q + rh] = pack_e4m3x4(acc_S[a0], acc_S[a1], acc_S[a2], acc_S[a3])
 
     @cute.jit
     def one_tile(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ: cute.Tensor,

@@ -320,7 +320,7 @@ def test_emulator_visits_key_tiles_in_the_kernel_order(v):
 
 
 # ----------------------------------------------------------------------------- K-row permutation (fp8)
-# K_ROW_PERM (template flag, off by default): the K tile's smem rows are loaded in the key order
+# K_ROW_PERM (template flag, on by default for the E4M3-QKᵀ mode since 2026-12-02): the K tile's smem rows are loaded in the key order
 # key_of_col, so that the QKᵀ accumulator of thread t already holds the keys of the k32 E4M3 A
 # fragment of PV (no quad shuffles). Everything that names a key by its S column (the per-key
 # scale words, the masks) must go through the same map. These tests run the rendered helpers on
@@ -344,14 +344,20 @@ _FP8 = [v for v in VARIANTS if v.param("q_fmt") == "e4m3" and not dict(v.params)
 _HELPERS = ("key_of_col", "col_of_key", "scale_word", "p_pack")
 
 
-def test_k_row_perm_off_by_default_and_identity():
+def test_k_row_perm_default_on_for_e4m3_qk_only():
+    """On for the E4M3-QKᵀ mode (round 12), off (the identity key map) for every other mode; k_row_perm=False
+    renders the shuffle path of the P permutation again."""
     for v in VARIANTS:
         src = render_variant(v)
-        assert "K_ROW_PERM = False" in src and _literals(src)["PARAMS"]["k_row_perm"] is False
+        on = v in _FP8
+        assert (f"K_ROW_PERM = {on}" in src) and _literals(src)["PARAMS"]["k_row_perm"] is on
         key_of_col, col_of_key, _, _ = _module_fns(src, _HELPERS)
-        assert all(key_of_col(c) == c == col_of_key(c) for c in range(v.param("tile_n")))
-    # the shuffle path stays the default fp8 path
-    assert all("shuffle_sync(send_a" in render_variant(v) for v in _FP8)
+        identity = all(key_of_col(c) == c == col_of_key(c) for c in range(v.param("tile_n")))
+        assert identity is not on
+        assert ("shuffle_sync(send_a" in src) is (not on and v.param("v_fmt") == "e4m3")  # FP8 P̂ by shuffles
+    for v in _FP8:
+        off = _render_with(v, k_row_perm=False)
+        assert "K_ROW_PERM = False" in off and "shuffle_sync(send_a" in off
 
 
 @pytest.mark.parametrize("v", _FP8, ids=lambda v: v.name)
@@ -444,7 +450,7 @@ def test_compile_fp8_k_row_perm_variant(compile_sm90):
 # kv_stages, release_k_early, exp_poly_frac, ovl_pingpong (template flags, all at their defaults;
 # flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
 # defaults the rendered source must be byte-identical to the verified kernel.
-_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True)
+_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True, pv_defer=False, max_tree=1)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -452,7 +458,7 @@ def test_experiment_flags_off_by_default_render_identical(v):
     src = render_variant(v)
     assert _render_with(v, **_EXP_OFF) == src
     for tok in ("factor_slot", "ex2_poly3", "RELEASE_K_EARLY", "EXP_POLY_QUARTERS", "kv_stages",
-                "ovl_pingpong", "release_k_early", "exp_poly_frac"):
+                "ovl_pingpong", "release_k_early", "exp_poly_frac", "pv_defer", "max_tree", "v_prev"):
         assert tok not in src
 
 
@@ -645,3 +651,93 @@ def test_compile_head_dim_64(compile_sm90, route):
     ptx = compile_sm90(v, source=src)
     k = "k32.f32.e4m3.e4m3" if route == "fp8_token" else "k16.f32.bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n64{k}" in ptx  # PV: N = D = 64
+
+
+# ----------------------------------------------------------------------------- round 12 (2026-12-02)
+# ex2_ring (on for the E4M3-QKᵀ mode without intra-warpgroup overlap): the consumer warpgroups take turns
+# for pass 2 of the softmax through a ring of named barriers. pv_defer and max_tree: measured, not adopted.
+def _ring_expected(v) -> bool:
+    return v in _FP8 and not v.param("intra_wg_overlap") and v.param("compute_warpgroups") >= 2
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_ex2_ring_default_and_barrier_ids(v):
+    src = render_variant(v)
+    on = _ring_expected(v)
+    assert ("EX2_RING_BAR0" in src) is on and ('"ex2_ring": True' in src) is on
+    if not on:
+        return
+    wg = v.param("compute_warpgroups")
+    bar0 = next(ast.literal_eval(n.value) for n in ast.parse(src).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "EX2_RING_BAR0")
+    ring_ids = set(range(bar0, bar0 + wg))
+    # 0: __syncthreads, 1 … WG: the epilogue's per-warpgroup barriers, 3 and 4: the ping-pong's (never together
+    # with the ring: the ring is off with intra-warpgroup overlap); 16 hardware named barriers
+    assert not ring_ids & ({0} | set(range(1, wg + 1)) | {3, 4}) and max(ring_ids) <= 15
+    assert "def sched_wait(" not in src
+    # softmax: wait for this warpgroup's turn right before pass 2, hand it on right after the pass-2 loop
+    body = src[src.index("    def softmax("):src.index("    def load_scales(")]
+    wait = body.index("cute.arch.barrier(barrier_id=EX2_RING_BAR0 + cwg, number_of_threads=256)")
+    p2 = body.index("# pass 2: one ex2 per element")
+    arrive = body.index("cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0 + nxt, number_of_threads=256)")
+    assert wait < p2 < body.index("e = ex2(") < arrive < body.index("row_sum[rh] = row_sum[rh] * scale_o[rh] + rs[rh]")
+    assert body.count("barrier(barrier_id=EX2_RING_BAR0") == 1 and body.count("barrier_arrive(barrier_id=EX2_RING_BAR0") == 1
+    assert f"if nxt == {wg}:" in body
+    # the first turn is warpgroup 0's: the last warpgroup arrives once before the unit loop
+    mma = src[src.index("    def mma("):src.index("    def gemm(")]
+    assert f"if wg == {wg - 1}:\n            cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0, number_of_threads=256)" in mma
+    assert mma.index("barrier_arrive(barrier_id=EX2_RING_BAR0") < mma.index("while unit < num_units:")
+    assert _render_with(v, ex2_ring=False).count("EX2_RING_BAR0") == 0
+
+
+@pytest.mark.parametrize("wg", [2, 3])
+def test_ex2_ring_protocol_alternates_and_never_deadlocks(wg):
+    """The ring as the kernel runs it, on a model of named barriers (bar.sync of one warpgroup completes once the
+    previous warpgroup's bar.arrive on the same id is in, count 2 × 128): under any interleaving of the
+    warpgroups every one finishes its tiles and the pass-2 phases run strictly in turn 0, 1, …, wg − 1, 0, …"""
+    import random
+
+    tiles = 7
+    for seed in range(200):
+        rnd = random.Random(seed)
+        arrived = [0] * wg  # arrives on barrier w not yet matched by warpgroup w's sync
+        arrived[0] = 1  # warpgroup wg − 1 before the unit loop
+        done = [0] * wg
+        order = []
+        while any(d < tiles for d in done):
+            ready = [w for w in range(wg) if done[w] < tiles and arrived[w] > 0]
+            assert ready, f"deadlock at {done}"
+            w = rnd.choice(ready)
+            arrived[w] -= 1  # its bar.sync completes
+            assert arrived[w] == 0  # never two arrives pending on one id: the count cannot overrun
+            order.append(w)  # pass 2
+            arrived[(w + 1) % wg] += 1  # bar.arrive on the next one's
+            done[w] += 1
+        assert order == [i % wg for i in range(wg * tiles)]
+        assert arrived == [1] + [0] * (wg - 1)  # the one arrive left pending at exit
+
+
+@pytest.mark.parametrize("v", [v for v in _FP8 if "_wg3_" in v.name][:2], ids=lambda v: v.name)
+def test_round12_experiment_flags_render(v):
+    src = _render_with(v, pv_defer=True, max_tree=4, ex2_ring=8)
+    lit = _literals(src)["PARAMS"]
+    assert lit["pv_defer"] is True and lit["max_tree"] == 4 and lit["ex2_ring"] == 8
+    body = src[src.index("    def one_tile("):]
+    # pv_defer: the previous tile's V stage is released after this tile's QKᵀ wait; the unit's last one after the loops
+    assert body.index("warpgroup.wait_group(0)") < body.index("pipe_v.consumer_release(v_prev)")
+    mma = src[src.index("    def mma("):src.index("    def gemm(")]
+    assert "warpgroup.wait_group(0)  # the unit's last PV" in mma
+    # max_tree: 2 rows × 4 partial maxima, combined pairwise into mx[rh] before the quad reduction
+    sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
+    assert "mx = cute.make_rmem_tensor((2 * 4,), Float32)" in sm and "mx[rh * 4 + cg % 4]" in sm
+    assert sm.index("mx[rh] = mx[rh * 4]") < sm.index("quad_max(mx[rh])")
+    # ex2_ring = 8: the turn is handed on inside pass 2, after column group 7
+    assert "if const_expr(cg == 7):" in sm
+
+
+@pytest.mark.compile
+def test_compile_round12_default_and_experiments(compile_sm90):
+    v = next(v for v in _FP8 if "_wg3_" in v.name and not v.name.endswith("_noncausal"))
+    ptx = compile_sm90(v)
+    assert "bar.arrive" in ptx and "cp.async.bulk.tensor.5d" in ptx  # the ring; K through the rank-5 TMA
+    compile_sm90(v, source=_render_with(v, pv_defer=True, max_tree=4, ex2_ring=8))
