@@ -163,13 +163,28 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
         dt = QUANT_DTYPES.get(a["dtype"])
         if dt is None:
             raise ValueError(f"ARGS entry {a['name']!r}: unknown dtype {a['dtype']!r}")
-        t = torch.empty(shape_of(a["shape"], T, H, D, num_docs), dtype=dt, device=device)
+        shape = shape_of(a["shape"], T, H, D, num_docs)
+        if a["name"] == "codes" and list(a["shape"][:1]) == ["T"] and shape[0] % 16:
+            t = padded_token_rows(shape, dt, device)
+        else:
+            t = torch.empty(shape, dtype=dt, device=device)
         if role == "workspace":
             t.zero_()
         elif poison:
             t.view(torch.uint8).fill_(0xAB)
         out[a["name"]] = t
     return out
+
+
+def padded_token_rows(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A (T, …) tensor whose storage holds T_pad = ceil(T / 16)·16 rows, the rows past T zero.
+
+    The forward's row-permuting K TMA (k_row_perm) reads whole 16-token groups, so up to T_pad rows
+    (masked in the kernel); with this storage `attn_fwd.k_rows_for_tma` needs no padded copy of K."""
+    t_pad = -(-shape[0] // 16) * 16
+    full = torch.empty((t_pad, *shape[1:]), dtype=dtype, device=device)
+    full[shape[0]:].zero_()
+    return full[: shape[0]]
 
 
 def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]], x: torch.Tensor,

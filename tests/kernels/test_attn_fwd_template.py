@@ -253,8 +253,12 @@ def test_fp8_vt_tma_never_offset_by_doc_start_on_its_contiguous_axis(v):
     assert "domain_offset((0, doc_start)" not in src
     assert src.count("domain_offset((0, key_base), mV[None, None, hkv])") == 1
     assert "KEY_ALIGN = 16" in src
-    # every TMA coordinate/offset on K and V goes through key_base, never doc_start
-    assert "domain_offset((doc_start, 0), mK" not in src and "domain_offset((key_base, 0), mK" in src
+    # every TMA coordinate/offset on K and V goes through key_base, never doc_start (k_row_perm: K's rank-5 view
+    # takes key_base as its token offset, a multiple of 16 so the permutation stays inside 16-key groups)
+    assert "domain_offset((doc_start, 0), mK" not in src and "domain_offset((doc_start, " not in src
+    k_off = ("domain_offset((key_base, hkv * self.head_dim), mK" if _literals(src)["PARAMS"]["k_row_perm"]
+             else "domain_offset((key_base, 0), mK")
+    assert k_off in src
 
 
 def _tile_order(nblk, n_mask, n_lo):

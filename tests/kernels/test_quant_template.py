@@ -126,6 +126,26 @@ def test_allocate_outputs_poison():
     assert outs["amax_ws"].item() == 0
 
 
+@pytest.mark.parametrize("T", [5, 16, 33])
+def test_allocate_outputs_token_codes_hold_t_pad_rows(T):
+    """(T, H, D) codes live in storage of T_pad rows (the tail zero): the forward's row-permuting K TMA
+    (k_row_perm) reads whole 16-token groups, and attn_fwd.k_rows_for_tma then passes K without a copy."""
+    from flamia_gen.runtime.attn_fwd import k_rows_for_tma
+
+    args = _module_literals(render(make_context(fmt="e4m3", granularity="token")))["ARGS"]
+    for poison in (False, True):
+        outs = allocate_outputs(args, T, 2, 128, 1, "cpu", poison=poison)
+        codes, t_pad = outs["codes"], -(-T // 16) * 16
+        assert codes.shape == (T, 2, 128) and codes.is_contiguous() and codes.storage_offset() == 0
+        assert codes.untyped_storage().nbytes() == t_pad * 2 * 128
+        full = torch.empty(0, dtype=codes.dtype).set_(codes.untyped_storage()).view(t_pad, 2, 128)
+        assert (full[T:] == 0).all()  # the rows past T: read by the TMA, masked by the kernel, zero
+        if poison:
+            assert (codes == 0xAB).all()
+        assert k_rows_for_tma(codes, t_pad) is codes
+        assert outs["scales"].untyped_storage().nbytes() == T * 2  # only the codes are padded
+
+
 def _x(T=8, H=2, D=128, dtype=torch.bfloat16):
     return torch.zeros(T, H, D, dtype=dtype)
 
