@@ -4,7 +4,8 @@ Build here (CPU, needs the DSL), one bundle holding the default fp8_token varian
 experiment, the same variants rendered with that experiment's template flags (name suffix
 `_x<tag>`, so a single runtime copy travels):
 
-    python -m flamia_gen.bench.fwd_experiments build -o .dev/bundle-exp [--jobs 2] [--only kvs3,relk]
+    python -m flamia_gen.bench.fwd_experiments build -o .dev/bundle-exp [--jobs 2] [--only kvs3,relk] \
+        [--variants 'attn_fwd_sm90_fp8_token_d128_m192n128_*']
 
 On the GPU host (no DSL; torch + tvm-ffi): verify every variant (Gaussian + tiny documents,
 O cosine vs the BF16-rounded emulator, leakage probe on causal ones) and time it kernel-only on
@@ -12,7 +13,7 @@ O cosine vs the BF16-rounded emulator, leakage probe on causal ones) and time it
 
     python -m flamia_gen.bench.fwd_experiments run .dev/bundle-exp [--json out.json]
 
-Flags (templates/sm90/attn_fwd.py.j2, docs/kernels/attn_fwd.md "Next H200 session"): every flag
+Flags (templates/sm90/attn_fwd.py.j2, docs/kernels/attn_fwd.md "Next H200 session", "Round 12"): every flag
 has a template default and a render-context override of the same name; the bundle's manifest
 params carry the overrides. This module imports without the DSL (and without torch until `run`).
 """
