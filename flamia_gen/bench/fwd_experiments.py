@@ -29,6 +29,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+def _e4m3_qk(p) -> bool:
+    """The template's E4M3-QKᵀ mode (`fp8`): where k_row_perm and, without overlap, ex2_ring are the defaults."""
+    return p["q_fmt"] == "e4m3" and not p.get("scores_bf16")
+
+
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
 EXPERIMENTS: dict[str, dict] = {
     "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
@@ -52,17 +57,17 @@ EXPERIMENTS: dict[str, dict] = {
     "pvd": dict(over={"pv_defer": True}, when=lambda p: not p["intra_wg_overlap"],
                 note="PV not waited for alone: the next QKᵀ is issued behind it, one wait covers both"),
     "mt4": dict(over={"max_tree": 4}, when=lambda p: True, note="row max of pass 1 in 4 partial chains per row"),
-    "ring8": dict(over={"ex2_ring": 8}, when=lambda p: not p["intra_wg_overlap"] and p["tile_n"] == 128,
+    "ring8": dict(over={"ex2_ring": 8}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"] and p["tile_n"] == 128,
                   note="the ex2 turn handed on after half of pass 2 (8 of 16 column groups)"),
     # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap): the A/B
     # against the kernel without them
-    "noring": dict(over={"ex2_ring": False}, when=lambda p: not p["intra_wg_overlap"],
+    "noring": dict(over={"ex2_ring": False}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],
                    note="without the ex2 turns of the consumer warpgroups"),
-    "ringon": dict(over={"ex2_ring": True}, when=lambda p: not p["intra_wg_overlap"] and p["q_fmt"] != "e4m3",
+    "ringon": dict(over={"ex2_ring": True}, when=lambda p: not _e4m3_qk(p) and not p["intra_wg_overlap"],
                    note="the ex2 turns where they are off by default (BF16 QKᵀ: nvfp4_mixed, fp8_pv, fp8_token_bf16qk)"),
-    "nokperm": dict(over={"k_row_perm": False}, when=lambda p: p["q_fmt"] == "e4m3",
+    "nokperm": dict(over={"k_row_perm": False}, when=_e4m3_qk,
                     note="the P permutation by shuffles instead of the K-row-permuting TMA"),
-    "r11": dict(over={"ex2_ring": False, "k_row_perm": False}, when=lambda p: True,
+    "r11": dict(over={"ex2_ring": False, "k_row_perm": False}, when=_e4m3_qk,
                 note="the kernel before round 12 (neither)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)

@@ -745,3 +745,25 @@ def test_compile_round12_default_and_experiments(compile_sm90):
     ptx = compile_sm90(v)
     assert "bar.arrive" in ptx and "cp.async.bulk.tensor.5d" in ptx  # the ring; K through the rank-5 TMA
     compile_sm90(v, source=_render_with(v, pv_defer=True, max_tree=4, ex2_ring=8))
+
+
+@pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed"])
+def test_every_forward_experiment_changes_the_kernel_it_copies(route):
+    """An experiment copy renders differently from its base variant (outside PARAMS and the name): a flag that
+    is already the default there, or that the template ignores for that mode, would time one kernel twice."""
+    from flamia_gen.bench.fwd_experiments import EXPERIMENTS, experiment_variants, split_name
+
+    def body(src: str, name: str) -> str:
+        src = src.replace(name, "NAME")
+        return src[src.index("# Runtime call signature"):]  # from ARGS on: after PARAMS
+
+    base = {v.name: v for _, v in experiment_variants((), route=route)}
+    tagged = experiment_variants(tuple(EXPERIMENTS), route=route)
+    seen = set()
+    for tag, v in tagged:
+        if not tag:
+            continue
+        b = base[split_name(v.name)[0]]
+        assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
+        seen.add(tag)
+    assert ("ringon" in seen) is (route == "nvfp4_mixed") and ("nokperm" in seen) is (route == "fp8_token")
