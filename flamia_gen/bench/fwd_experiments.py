@@ -59,6 +59,8 @@ EXPERIMENTS: dict[str, dict] = {
     "mt4": dict(over={"max_tree": 4}, when=lambda p: True, note="row max of pass 1 in 4 partial chains per row"),
     "ring8": dict(over={"ex2_ring": 8}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"] and p["tile_n"] == 128,
                   note="the ex2 turn handed on after half of pass 2 (8 of 16 column groups)"),
+    "fkp": dict(over={"fk_prefetch": True}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],
+                note="pass 1's first two column groups of per-key factors loaded while QKᵀ runs (built, not yet run)"),
     # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap): the A/B
     # against the kernel without them
     "noring": dict(over={"ex2_ring": False}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],

@@ -454,7 +454,8 @@ def test_compile_fp8_k_row_perm_variant(compile_sm90):
 # kv_stages, release_k_early, exp_poly_frac, ovl_pingpong (template flags, all at their defaults;
 # flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
 # defaults the rendered source must be byte-identical to the verified kernel.
-_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True, pv_defer=False, max_tree=1)
+_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True, pv_defer=False, max_tree=1,
+                fk_prefetch=False)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -462,7 +463,8 @@ def test_experiment_flags_off_by_default_render_identical(v):
     src = render_variant(v)
     assert _render_with(v, **_EXP_OFF) == src
     for tok in ("factor_slot", "ex2_poly3", "RELEASE_K_EARLY", "EXP_POLY_QUARTERS", "kv_stages",
-                "ovl_pingpong", "release_k_early", "exp_poly_frac", "pv_defer", "max_tree", "v_prev"):
+                "ovl_pingpong", "release_k_early", "exp_poly_frac", "pv_defer", "max_tree", "v_prev", "fk_prefetch",
+                "fkp0"):
         assert tok not in src
 
 
@@ -737,6 +739,18 @@ def test_round12_experiment_flags_render(v):
     assert sm.index("mx[rh] = mx[rh * 4]") < sm.index("quad_max(mx[rh])")
     # ex2_ring = 8: the turn is handed on inside pass 2, after column group 7
     assert "if const_expr(cg == 7):" in sm
+    # fk_prefetch: column groups 0 and 1's factors are loaded between QKᵀ's issue and its wait, at the words pass 1
+    # would read them from (scale_word of columns 0 and 8 of this thread: tScS[0], tScS[4])
+    src = _render_with(v, fk_prefetch=True)
+    assert _literals(src)["PARAMS"]["fk_prefetch"] is True
+    tile = src[src.index("    def one_tile("):]
+    issue = tile.index("self.gemm(tiled_mma_qk, acc_S")
+    pre = tile.index("fkp1 = self.load_scales(sScale, kv_state.index * self.scale_words + scale_word(tScS[4][1], 0), 4)")
+    assert issue < tile.index("fkp0 = self.load_scales(sScale, kv_state.index * self.scale_words + "
+                              "scale_word(tScS[0][1], 0), 4)") < pre < tile.index("warpgroup.wait_group(0)")
+    sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
+    assert "fk = fkp0 if cg == 0 else (fkp1 if cg == 1 else self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 0), 4))" in sm
+    assert "base = stage * self.scale_words" in sm and "mask, fkp0, fkp1)" in tile
 
 
 @pytest.mark.compile
@@ -745,6 +759,7 @@ def test_compile_round12_default_and_experiments(compile_sm90):
     ptx = compile_sm90(v)
     assert "bar.arrive" in ptx and "cp.async.bulk.tensor.5d" in ptx  # the ring; K through the rank-5 TMA
     compile_sm90(v, source=_render_with(v, pv_defer=True, max_tree=4, ex2_ring=8))
+    compile_sm90(v, source=_render_with(v, fk_prefetch=True))
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed"])
