@@ -696,31 +696,66 @@ def test_ex2_ring_default_and_barrier_ids(v):
     assert _render_with(v, ex2_ring=False).count("EX2_RING_BAR0") == 0
 
 
-@pytest.mark.parametrize("wg", [2, 3])
-def test_ex2_ring_protocol_alternates_and_never_deadlocks(wg):
-    """The ring as the kernel runs it, on a model of named barriers (bar.sync of one warpgroup completes once the
-    previous warpgroup's bar.arrive on the same id is in, count 2 × 128): under any interleaving of the
-    warpgroups every one finishes its tiles and the pass-2 phases run strictly in turn 0, 1, …, wg − 1, 0, …"""
+def _ring_protocol(src: str):
+    """(wg, first barrier id, wait id of warpgroup w, arrive id of warpgroup w) as the rendered kernel has them: the
+    first arrive's id is read from the source, and the ids of each warpgroup's wait and hand-on come from running the
+    rendered statements of softmax on Python ints."""
+    import re
+    import textwrap
+    from types import SimpleNamespace
+
+    lit = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(src).body
+           if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) in ("EX2_RING_BAR0", "NUM_WG")}
+    wg, bar0 = lit["NUM_WG"], lit["EX2_RING_BAR0"]
+    first = re.search(r"if wg == (\d+):\n\s+cute\.arch\.barrier_arrive\(barrier_id=EX2_RING_BAR0([^,]*),", src)
+    assert first and int(first.group(1)) == wg - 1  # the last warpgroup gives warpgroup 0 its first turn
+    first_id = eval("EX2_RING_BAR0" + first.group(2), {"EX2_RING_BAR0": bar0})
+    sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
+    wait = sm[sm.index("cute.arch.barrier(barrier_id="):].split("\n")[0].strip()
+    i = sm.index("nxt = cwg + 1")
+    j = sm.index("\n", sm.index("barrier_arrive(barrier_id=EX2_RING_BAR0 + nxt", i))
+    hand_on = textwrap.dedent(sm[sm.rindex("\n", 0, i) + 1:j])
+
+    def ids(w):
+        seen = []
+        arch = SimpleNamespace(barrier=lambda barrier_id, number_of_threads: seen.append(("wait", barrier_id)),
+                               barrier_arrive=lambda barrier_id, number_of_threads: seen.append(("arrive", barrier_id)))
+        env = {"cwg": w, "Int32": int, "EX2_RING_BAR0": bar0, "cute": SimpleNamespace(arch=arch)}
+        exec(wait, env)
+        exec(hand_on, env)
+        assert [k for k, _ in seen] == ["wait", "arrive"]
+        return seen[0][1], seen[1][1]
+
+    return wg, first_id, [ids(w)[0] for w in range(wg)], [ids(w)[1] for w in range(wg)]
+
+
+@pytest.mark.parametrize("v", [next(v for v in _FP8 if _ring_expected(v) and v.param("compute_warpgroups") == n)
+                               for n in (2, 3)], ids=lambda v: v.name)
+def test_ex2_ring_protocol_alternates_and_never_deadlocks(v):
+    """The ring as the rendered kernel runs it (barrier ids read from its source), on a model of named barriers
+    (bar.sync of one warpgroup completes once another warpgroup's bar.arrive on the same id is in, count 2 × 128):
+    under any interleaving every warpgroup finishes its tiles and the pass-2 phases run strictly in turn
+    0, 1, …, wg − 1, 0, …"""
     import random
 
+    wg, first_id, wait_id, arrive_id = _ring_protocol(render_variant(v))
     tiles = 7
     for seed in range(200):
         rnd = random.Random(seed)
-        arrived = [0] * wg  # arrives on barrier w not yet matched by warpgroup w's sync
-        arrived[0] = 1  # warpgroup wg − 1 before the unit loop
+        arrived = {first_id: 1}  # arrives per barrier id not yet matched by a sync; the one before the unit loop
         done = [0] * wg
         order = []
         while any(d < tiles for d in done):
-            ready = [w for w in range(wg) if done[w] < tiles and arrived[w] > 0]
+            ready = [w for w in range(wg) if done[w] < tiles and arrived.get(wait_id[w], 0) > 0]
             assert ready, f"deadlock at {done}"
             w = rnd.choice(ready)
-            arrived[w] -= 1  # its bar.sync completes
-            assert arrived[w] == 0  # never two arrives pending on one id: the count cannot overrun
+            arrived[wait_id[w]] -= 1  # its bar.sync completes
+            assert arrived[wait_id[w]] == 0  # never two arrives pending on one id: the count cannot overrun
             order.append(w)  # pass 2
-            arrived[(w + 1) % wg] += 1  # bar.arrive on the next one's
+            arrived[arrive_id[w]] = arrived.get(arrive_id[w], 0) + 1  # bar.arrive on the next one's
             done[w] += 1
         assert order == [i % wg for i in range(wg * tiles)]
-        assert arrived == [1] + [0] * (wg - 1)  # the one arrive left pending at exit
+        assert {k: n for k, n in arrived.items() if n} == {first_id: 1}  # the one arrive left pending at exit
 
 
 @pytest.mark.parametrize("v", [v for v in _FP8 if "_wg3_" in v.name][:2], ids=lambda v: v.name)
