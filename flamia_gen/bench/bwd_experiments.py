@@ -31,6 +31,11 @@ from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, build_variants_bundle, 
 # the FP8 tile with a dS amax (fp8_token, fp8_token_bf16qk: the template's qk8), where bwd_alu_trim applies
 _qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa: E731
 
+# fp8_token's tile (E4M3 per-token Q, K, dO, dS; no diagonal or exact-row copies): where bwd_q_row_perm applies
+_fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt", "k_fmt", "do_fmt", "ds_fmt"))  # noqa: E731
+                             and p.get("q_gran") == "token" and p.get("ds_gran") == "token"
+                             and not (p.get("diag_v") or p.get("diag_k") or p.get("rows_q") or p.get("scores_bf16")))
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -43,6 +48,16 @@ EXPERIMENTS: dict[str, dict] = {
     # by the first consumer warp) instead of one bulk reduce-add per row (threads < tile_m); non-deterministic variants
     "dqtma": dict(over={"bwd_dq_tma": True}, when=lambda p: not p.get("deterministic"),
                   note="dQ partial: one TMA tensor reduce-add per tile"),
+    # bwd_dq_warp and bwd_q_row_perm (on since 2026-12-02, eleventh session; H200: bitwise equal, fp8_token −9 … −10 %,
+    # bf16 −3 … −5 %): the kernels without them, as A/B copies against the new defaults
+    "nodqwarp": dict(over={"bwd_dq_warp": False},
+                     when=lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor",
+                     note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
+    "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
+                    note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
+    "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
+                when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
+                note="neither (the fp8_token backward of round 12)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTES = ("fp8_token", "bf16")

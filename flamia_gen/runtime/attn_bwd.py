@@ -34,8 +34,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, kernel_key_align,
-                       longest_first, merge_windows)
+from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, k_rows_for_tma,
+                       kernel_key_align, longest_first, merge_windows)
 
 _E5M2_CODE_DTYPES = (torch.uint8, torch.float8_e5m2)
 
@@ -511,6 +511,10 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         else:
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
+    if params.get("bwd_q_row_perm"):
+        # the row-permuting Q and dO TMAs read whole 16-token groups: rows T … T_PAD − 1 of the codes' storage
+        # (masked queries; the quantizers' padded storage has them, otherwise a zero-padded copy)
+        q, do = k_rows_for_tma(q, q_t.shape[2]), k_rows_for_tma(do, do_t.shape[2])
     if fp8:
         as_do = _as_e5m2 if do5 else _as_e4m3
         by_name.update(q=q if sbf16 else _as_e4m3(q), k=k if sbf16 else _as_e4m3(k), v=_as_e4m3(v),

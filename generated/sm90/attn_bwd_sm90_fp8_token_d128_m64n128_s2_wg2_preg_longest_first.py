@@ -73,8 +73,10 @@ PARAMS = {
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
+    "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
+    "bwd_q_row_perm": True,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
     "flamia_version": "0.1.0",
@@ -140,6 +142,9 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
 
 
 DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
+DQ_FULL_BAR = 7  # named barriers of the dQ writer warp (1: consumers' dS / amax; 2: det; 3 … 6: square_32 blocks)
+DQ_EMPTY_BAR = 8
+DQ_WARP_THREADS = 128 * 2 + 32  # the consumer warpgroups and the writer warp
 
 
 @dsl_user_op
@@ -386,6 +391,29 @@ def dq_amax_owned(lane, b):
     return DQ_AMAX_CG * b + (v >> 1), v & 1
 
 
+def query_of_col(c):
+    """Query (offset within the query tile) held by Sᵀ column / Q, dO smem row c (Q_ROW_PERM).
+
+    Within each 16-query group, column bits (c3 c2 c1 c0) hold query bits (c2 c1 c3 c0): thread t of a quad then
+    holds, for key rows r and r + 8, Sᵀ columns 8a + 2t + b = queries 4t + 2a + b (a, b ∈ {0, 1}) of each 16-query
+    half, exactly the k32 E4M3 A fragment of dV and dK (queries 4t … 4t + 3), so P̂ᵀ and dSᵀ go to their wgmmas
+    with the cvt packing only; dOᵀ and Qᵀ keep the natural order. Plain integer arithmetic (Python ints in
+    tests, Int32 in the kernel)."""
+    return (c & -16) | (c & 1) | (((c >> 3) & 1) << 1) | (((c >> 1) & 3) << 2)
+
+
+def col_of_query(q):
+    """Inverse of query_of_col: the Sᵀ column / Q, dO smem row holding query q of the tile."""
+    return (q & -16) | (q & 1) | (((q >> 1) & 1) << 3) | (((q >> 2) & 3) << 1)
+
+
+def p_pack(kb, q, rh):
+    """Accumulator indices (acc[cp + 2·rh + 4·cg], column 8·cg + 2t + cp) packed, byte 0 first, into the E4M3 A
+    register rP[4·kb + 2·q + rh] of dV / dK (queries 32·kb + 16·q + 4t … + 3, key row half rh)."""
+    cg = 4 * kb + 2 * q
+    return (4 * cg + 2 * rh, 4 * cg + 2 * rh + 1, 4 * cg + 4 + 2 * rh, 4 * cg + 5 + 2 * rh)
+
+
 def row_word(c, which):
     """Per-query factors in shared memory, per stage, in S-column order: column pair p = c // 2
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
@@ -457,6 +485,15 @@ class AttnBwdSm90:
             Float32, (1, self.num_wg, 1), (self.tile_m, self.head_dim // self.num_wg))
         return sdp, dkv, dq
 
+    def q_rows_view(self, mX: cute.Tensor, t_pad) -> cute.Tensor:
+        """(T, H, D) codes as a (T_PAD, H·D) view with tokens split (2, 4, 2, T_PAD/16), strides (1, 4, 2, 16) tokens:
+        smem row r of a tile (16-aligned start) receives query query_of_col(r); a rank-5 TMA (H·D, 2, 4, 2, tile_m/16).
+        Reads up to T_PAD rows (masked queries): the host wrapper gives codes whose storage holds them
+        (runtime.attn_fwd.k_rows_for_tma)."""
+        row = mX.shape[1] * mX.shape[2]
+        return cute.make_tensor(mX.iterator, cute.make_layout(
+            ((2, 4, 2, t_pad // 16), row), stride=((row, 4 * row, 2 * row, 16 * row), 1)))
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor,
                  mQt: cute.Tensor, mQs: cute.Tensor,
@@ -473,10 +510,11 @@ class AttnBwdSm90:
         self._setup_attributes()
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
         # (T, H, D) → (T, D, H): the TMA box is (rows, D) of one head.
-        mQv = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+        # Q_ROW_PERM: Q and dO through the (T_PAD, H·D) row-permuting views (q_rows_view; T_PAD: Qᵀ's, dOᵀ's token axis)
+        mQv = self.q_rows_view(mQ, mQt.shape[2])
         mKv = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
         mVv = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
-        mdOv = cute.make_tensor(mdO.iterator, cute.select(mdO.layout, mode=[0, 2, 1]))
+        mdOv = self.q_rows_view(mdO, mdOt.shape[2])
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(g2s, mKv, self.sK_layout, (n, d))
@@ -584,6 +622,8 @@ class AttnBwdSm90:
                           tma_atom_kt, mKt, tma_atom_qt, mQt, tma_atom_dot, mdOt, mQs, mdOs, sKt, sQt, sdOt,
                           mLSE, mDelta, mCu, mWork, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units)
+            if warp_idx == 1:
+                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -637,9 +677,10 @@ class AttnBwdSm90:
                 kv_state.advance()
                 for hh in cutlass.range(group, unroll=1):
                     head = hkv * group + hh
-                    gQ = cute.local_tile(cute.domain_offset((base, 0), mQ[None, None, head]),
+                    # base is a multiple of 16: the permutation stays inside 16-query groups
+                    gQ = cute.local_tile(cute.domain_offset((base, head * self.head_dim), mQ),
                                          (self.tile_m, self.head_dim), (None, 0))
-                    gdO = cute.local_tile(cute.domain_offset((base, 0), mdO[None, None, head]),
+                    gdO = cute.local_tile(cute.domain_offset((base, head * self.head_dim), mdO),
                                           (self.tile_m, self.head_dim), (None, 0))
                     tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                        cute.group_modes(gQ, 0, 2))
@@ -683,7 +724,7 @@ class AttnBwdSm90:
                         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
                         rbase = q_state.index * self.row_words
                         for j in cutlass.range_constexpr(self.tile_m // 32):
-                            c = lane + 32 * j
+                            c = col_of_query(lane + 32 * j)  # the Sᵀ column that holds this query
                             sRow[rbase + row_word(c, 0)] = vals[4 * j]
                             sRow[rbase + row_word(c, 1)] = vals[4 * j + 1]
                             sRow[rbase + row_word(c, 2)] = vals[4 * j + 2]
@@ -704,6 +745,47 @@ class AttnBwdSm90:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
                 unit = num_units
+
+    # -----------------------------------------------------------------------------------
+    # dQ writer warp (bwd_dq_warp): the bulk reduce-adds of every query tile's dQ partial rows.
+    # -----------------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
+                  num_units: Int32):
+        """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
+        consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
+        r + 32, …), waits until the copies have read sdQ and hands it back (DQ_EMPTY). The first DQ_EMPTY arrive
+        comes before the loop (sdQ starts free); the last one stays pending at exit."""
+        HQ = mdQacc.shape[1]
+        group = HQ // HKV
+        lane = cute.arch.lane_idx()
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
+        unit = LongestFirstScheduler.initial_unit()
+        while unit < num_units:
+            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
+            if (doc >= 0) & (m_lo < m_hi):
+                for hh in cutlass.range(group, unroll=1):
+                    head = hkv * group + hh
+                    for mi in cutlass.range(m_hi - m_lo, unroll=1):
+                        m_block = m_lo + mi
+                        qrow0 = m_block * self.tile_m - delta  # as one_tile's: document-local row of tile row 0
+                        q_tok0 = base + m_block * self.tile_m
+                        cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
+                        for j in cutlass.range_constexpr(self.tile_m // 32):
+                            r = lane + 32 * j
+                            if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
+                                off = ((q_tok0 + r) * HQ + head) * self.head_dim
+                                bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
+            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # as the producer: only padding is left for this CTA
+                unit = num_units
+        # the last tiles' reduce-adds: complete before the CTA exits
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     # -----------------------------------------------------------------------------------
     # Consumer warpgroups: 64 keys each; Sᵀ, dPᵀ, P, dS, dV, dK, dQ per query tile.
@@ -744,7 +826,10 @@ class AttnBwdSm90:
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sKb))
         # dS written from the Sᵀ accumulator layout into (keys, queries, buffer) of sdS
-        sdSt = cute.composition(sdS, cute.make_ordered_layout((n, m, 2), order=(1, 0, 2)))
+        # Q_ROW_PERM: accumulator column c holds query query_of_col(c): the query mode maps column bits
+        # (c0, c1, c2, c3, c ≥ 16) to query strides (1, 4, 8, 2, 16), so every dS lands at its natural query row
+        sdSt = cute.composition(sdS, cute.make_layout((n, (2, 2, 2, 2, m // 16), 2),
+                                                      stride=(m, (1, 4, 8, 2, 16), m * n)))
         tSsdS = thr_sdp.partition_C(sdSt)
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
@@ -812,8 +897,6 @@ class AttnBwdSm90:
             unit = LongestFirstScheduler.next_unit(unit, num_units)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
-        # the last tile's bulk reduce-adds read shared memory: finish them before the CTA exits
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def load2(self, s: cute.Tensor, off: Int32):
@@ -896,6 +979,7 @@ class AttnBwdSm90:
         for rh in cutlass.range_constexpr(2):
             mxr[rh] = Int32(0)
         # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
+        qcol0 = query_of_col(tScS[0][1])  # this thread's query offset (tScS[0][1] = 2t)
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
             lse2 = self.load2(sRow, rbase + row_word(c, 0))
@@ -912,7 +996,7 @@ class AttnBwdSm90:
                     # interior tiles (mask=False): no pair to zero, so no index arithmetic, compares
                     # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
-                        qq = qrow0 + c + cp
+                        qq = qrow0 + qcol0 + query_of_col(8 * cg + cp)  # the column's query (disjoint bits)
                         outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
                         e = Int32(f32_bits(edm[cp]))
                         if outdoc:
@@ -1020,16 +1104,14 @@ class AttnBwdSm90:
                     i = cp + 2 * rh + 4 * cg
                     acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
-            dqf[rh] = pow2i_ds_key(sAmax[buf * m + tdQcdQ[2 * rh][0]]) * softmax_scale
+            # the amax slots are Sᵀ columns: dQ row r's is col_of_query(r)
+            dqf[rh] = pow2i_ds_key(sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]) * softmax_scale
         rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
         dst = tSsdS[None, None, None, buf]
         for i in cutlass.range_constexpr(cute.size(rdS)):
             dst[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
-        # the previous tile's bulk reduce-adds (issued by threads < tile_m) have read sdQ: after this
-        # barrier every thread may overwrite it (the wait is a no-op for threads without a group)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
@@ -1040,6 +1122,8 @@ class AttnBwdSm90:
             sAmax[buf * m + tidx] = Uint32(0)  # every read of this buffer happened before the barrier
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
+        # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
         # dQ partial (scaled) → sdQ (m × D, row stride DQ_LD words), then one bulk reduce-add per row
         for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
             r = tdQcdQ[2 * j][0]
@@ -1051,15 +1135,8 @@ class AttnBwdSm90:
             v2[1] = acc_dQ[2 * j + 1] * f
             cute.autovec_copy(v2, dst2)
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
-        if tidx < m:
-            row_ok = True
-            if const_expr(mask):
-                row_ok = (qrow0 + tidx >= 0) & (qrow0 + tidx < doc_len)
-            if row_ok:
-                off = ((q_tok0 + tidx) * HQ + head) * self.head_dim
-                bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)
-            cute.arch.cp_async_bulk_commit_group()
+        # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
         bufs[0] = 1 - buf
         return q_state
 
@@ -1101,33 +1178,12 @@ class AttnBwdSm90:
         """fp32 Sᵀ-accumulator layout (keys × queries) → the A-operand register fragment of dV / dK
         (M = keys, K = queries): the forward's P → PV conversion with queries in place of keys."""
         rP = cute.recast_tensor(tOrP, Uint32)
-        # The FP8 A fragment (k32) gives thread t of a quad columns 4t..4t+3 of each 16-column
-        # half; the accumulator gives it columns 2t, 2t+1 of each 8-column group. Two shuffles per
-        # 16-column half move 16-bit pairs between the four threads, one prmt per register.
-        lane = cute.arch.lane_idx()
-        t = lane % 4
-        base = lane - t
-        src_a = base + (((t & 1) << 1) | (t >> 1))
-        src_b = src_a ^ 1
-        sel_lo = Uint32(0x1054)
-        sel_hi = Uint32(0x3276)
-        if t < 2:
-            sel_lo = Uint32(0x5410)
-            sel_hi = Uint32(0x7632)
+        # Q_ROW_PERM: the accumulator already holds the fragment's queries (query_of_col); pack only.
         for kb in cutlass.range_constexpr(self.tile_m // 32):
             for q in cutlass.range_constexpr(2):
-                cg = 4 * kb + 2 * q
-                w0 = pack_e4m3x4(acc_S[4 * cg], acc_S[4 * cg + 1], acc_S[4 * cg + 2], acc_S[4 * cg + 3])
-                w1 = pack_e4m3x4(acc_S[4 * cg + 4], acc_S[4 * cg + 5], acc_S[4 * cg + 6], acc_S[4 * cg + 7])
-                send_a = w1
-                send_b = w0
-                if (t & 1) == 0:
-                    send_a = w0
-                    send_b = w1
-                got_a = Uint32(cute.arch.shuffle_sync(send_a, offset=src_a))
-                got_b = Uint32(cute.arch.shuffle_sync(send_b, offset=src_b))
-                rP[4 * kb + 2 * q] = prmt(got_a, got_b, sel_lo)
-                rP[4 * kb + 2 * q + 1] = prmt(got_a, got_b, sel_hi)
+                for rh in cutlass.range_constexpr(2):
+                    a0, a1, a2, a3 = p_pack(kb, q, rh)
+                    rP[4 * kb + 2 * q + rh] = pack_e4m3x4(acc_S[a0], acc_S[a1], acc_S[a2], acc_S[a3])
 
 
 def make_kernel():

@@ -73,6 +73,7 @@ PARAMS = {
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
+    "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
     "diag_v": True,
@@ -158,6 +159,9 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
 
 
 DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
+DQ_FULL_BAR = 7  # named barriers of the dQ writer warp (1: consumers' dS / amax; 2: det; 3 … 6: square_32 blocks)
+DQ_EMPTY_BAR = 8
+DQ_WARP_THREADS = 128 * 2 + 32  # the consumer warpgroups and the writer warp
 
 
 @dsl_user_op
@@ -650,6 +654,8 @@ class AttnBwdSm90:
                           mLSE, mDelta, mCu, mWork, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units, tma_atom_vd, mVd, mQts, mdOts,
                           tma_atom_kd, mKd, tma_atom_ktd, mKtd)
+            if warp_idx == 1:
+                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -797,6 +803,47 @@ class AttnBwdSm90:
                 unit = num_units
 
     # -----------------------------------------------------------------------------------
+    # dQ writer warp (bwd_dq_warp): the bulk reduce-adds of every query tile's dQ partial rows.
+    # -----------------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
+                  num_units: Int32):
+        """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
+        consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
+        r + 32, …), waits until the copies have read sdQ and hands it back (DQ_EMPTY). The first DQ_EMPTY arrive
+        comes before the loop (sdQ starts free); the last one stays pending at exit."""
+        HQ = mdQacc.shape[1]
+        group = HQ // HKV
+        lane = cute.arch.lane_idx()
+        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
+        unit = LongestFirstScheduler.initial_unit()
+        while unit < num_units:
+            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
+            if (doc >= 0) & (m_lo < m_hi):
+                for hh in cutlass.range(group, unroll=1):
+                    head = hkv * group + hh
+                    for mi in cutlass.range(m_hi - m_lo, unroll=1):
+                        m_block = m_lo + mi
+                        qrow0 = m_block * self.tile_m - delta  # as one_tile's: document-local row of tile row 0
+                        q_tok0 = base + m_block * self.tile_m
+                        cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
+                        for j in cutlass.range_constexpr(self.tile_m // 32):
+                            r = lane + 32 * j
+                            if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
+                                off = ((q_tok0 + r) * HQ + head) * self.head_dim
+                                bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
+            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            if doc < 0:
+                # as the producer: only padding is left for this CTA
+                unit = num_units
+        # the last tiles' reduce-adds: complete before the CTA exits
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    # -----------------------------------------------------------------------------------
     # Consumer warpgroups: 64 keys each; Sᵀ, dPᵀ, P, dS, dV, dK, dQ per query tile.
     # -----------------------------------------------------------------------------------
     @cute.jit
@@ -916,8 +963,6 @@ class AttnBwdSm90:
             unit = LongestFirstScheduler.next_unit(unit, num_units)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
-        # the last tile's bulk reduce-adds read shared memory: finish them before the CTA exits
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def load2(self, s: cute.Tensor, off: Int32):
@@ -1183,9 +1228,6 @@ class AttnBwdSm90:
         for i in cutlass.range_constexpr(cute.size(rdS)):
             dst[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
-        # the previous tile's bulk reduce-adds (issued by threads < tile_m) have read sdQ: after this
-        # barrier every thread may overwrite it (the wait is a no-op for threads without a group)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         # dQ = dS·K with the K the forward used per query row (k_fold): masked tiles run dq_diag (mode 1: rows < vdelta
@@ -1208,6 +1250,8 @@ class AttnBwdSm90:
             sAmax[buf * m + tidx] = Uint32(0)  # every read of this buffer happened before the barrier
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
+        # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
         # dQ partial (scaled) → sdQ (m × D, row stride DQ_LD words), then one bulk reduce-add per row
         for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
             r = tdQcdQ[2 * j][0]
@@ -1219,15 +1263,8 @@ class AttnBwdSm90:
             v2[1] = acc_dQ[2 * j + 1] * f
             cute.autovec_copy(v2, dst2)
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
-        if tidx < m:
-            row_ok = True
-            if const_expr(mask):
-                row_ok = (qrow0 + tidx >= 0) & (qrow0 + tidx < doc_len)
-            if row_ok:
-                off = ((q_tok0 + tidx) * HQ + head) * self.head_dim
-                bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)
-            cute.arch.cp_async_bulk_commit_group()
+        # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
         bufs[0] = 1 - buf
         return q_state
 

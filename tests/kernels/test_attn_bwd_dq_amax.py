@@ -198,13 +198,17 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × dqtma
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp), 4 fp8 × noqperm, 2 × r12
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 2 + 4 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqtma":
             assert "deterministic" not in dict(v.params) and dict(v.params)["bwd_dq_tma"] is True
             assert '"bwd_dq_tma": True' in _render(v)
+        elif tag in ("nodqwarp", "noqperm", "r12"):
+            src = _render(v)
+            assert ('"bwd_dq_warp": True' in src) is (tag == "noqperm" and "deterministic" not in dict(v.params))
+            assert ('"bwd_q_row_perm": True' in src) is (tag == "nodqwarp" and v.route == "fp8_token")
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render(v)
@@ -260,12 +264,16 @@ def test_bwd_experiments_trim_the_tiles_with_a_ds_amax():
 
     bwd, _ = bx.base_variants(candidates=["fp8_token_bf16qk", "fp8_pv"])
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
-    trims = [v for t, v in tagged if t and t != "dqtma"]
+    trim_tags = {"notrim", "trim0", "trim1", "trim4"}
+    trims = [v for t, v in tagged if t in trim_tags]
     assert {v.route for v in trims} == {"fp8_token", "fp8_token_bf16qk"}
     assert len([v for t, v in tagged if not t]) == 8 + 4 + 4
-    assert len(trims) == 2 * 4 * (len(bx.EXPERIMENTS) - 1)
-    # dqtma: every non-deterministic variant (the dQ bulk path), whatever the route
-    assert {v.route for t, v in tagged if t == "dqtma"} == {"fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv"}
+    assert len(trims) == 2 * 4 * len(trim_tags)
+    # dqtma, nodqwarp: every non-deterministic variant (the dQ bulk path), whatever the route
+    for tag in ("dqtma", "nodqwarp"):
+        assert {v.route for t, v in tagged if t == tag} == {"fp8_token", "bf16", "fp8_token_bf16qk", "fp8_pv"}
+    # noqperm, r12: fp8_token's tile only
+    assert {v.route for t, v in tagged if t in ("noqperm", "r12")} == {"fp8_token"}
     assert len([v for t, v in tagged if t == "dqtma"]) == 4 * 2
 
 

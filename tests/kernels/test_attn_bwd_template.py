@@ -350,7 +350,14 @@ def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
         else:
             assert lit["PARAMS"]["bwd_dq_bulk"] is True
             assert "red_add_v2_f32(mdQacc" not in src
-            assert "bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)" in src
+            # the rows' copies: from the dQ writer warp (bwd_dq_warp, on except fp8_tensor's two launches), else from
+            # the consumer threads < tile_m
+            writer = "bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)"
+            consumer = "bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + tidx * DQ_LD, self.head_dim * 4)"
+            warp = bool(lit["PARAMS"].get("bwd_dq_warp"))
+            assert warp is (v.route != "fp8_tensor")
+            assert (writer in src, consumer in src) == (warp, not warp)
+            assert consumer in _render_with(v, bwd_dq_warp=False)
             off = _render_with(v, bwd_dq_bulk=False)
             assert "bulk_reduce_add_f32" not in off and "bwd_dq_bulk" not in _literals(off)["PARAMS"]
             # bwd_dq_tma (off by default): one TMA tensor reduce of the whole tile instead of the row copies
@@ -382,12 +389,12 @@ def test_dq_bulk_staging_rows_are_bank_conflict_free_and_aligned(variants):
 
 
 def test_dq_bulk_order_of_wait_store_fence_barrier_issue(variants):
-    """The staging buffer's protocol in one_tile: the previous tile's bulk reads end (wait_group.read)
+    """Without the writer warp (bwd_dq_warp=False), the staging buffer's protocol in one_tile: the previous tile's bulk reads end (wait_group.read)
     before the barrier that precedes the dQ wgmma; the stores of this tile come after that wgmma, then
     the async-proxy fence and the barrier, then one thread per row issues and commits; the CTA waits for
     every group before it exits."""
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal") and not _is_det(v))
-    src = render_variant(v)
+    src = _render_with(v, bwd_dq_warp=False)  # the consumers' own copies (the writer warp: test_attn_bwd_dq_warp.py)
     body = src[src.index("    def one_tile("):src.index("    def epilogue(")]
     i_wait = body.index("cute.arch.cp_async_bulk_wait_group(0, read=True)")
     i_gemm = body.index("self.gemm(tiled_mma_dq, acc_dQ")

@@ -158,9 +158,10 @@ def test_kernel_reads_key_ranges_and_stops_at_padding():
         assert "klim[rh] = mRowDoc[doc_start + kk, 0] - doc_start" in src
         assert "i_lo, i_hi = Int32(0), Int32(0)  # window: every query tile masked" in src
         assert "(qq < klim[rh]) | (qq >= klim[2 + rh])" in src
-        # producer and consumer loops (and fp8_tensor's amax sweep, a third loop over the units)
+        # producer and consumer loops (and fp8_tensor's amax sweep, or the dQ writer warp's loop, a third one)
         sweeps = 1 if "def amax_sweep(" in src else 0
-        assert src.count("            if doc < 0:\n") == 2 + sweeps, v.name
+        writer = 1 if "def dq_writer(" in src else 0
+        assert src.count("            if doc < 0:\n") == 2 + sweeps + writer, v.name
         assert sweeps == (v.route == "fp8_tensor"), v.name
         if v.route == "fp8_token":
             # the dV reference per key row, over the row's own document's queries (klim on masked tiles)

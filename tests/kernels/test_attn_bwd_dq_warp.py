@@ -1,0 +1,198 @@
+"""The backward's dQ writer warp (flag `bwd_dq_warp`, on by default; templates/sm90/attn_bwd.py.j2;
+docs/kernels/attn_bwd.md "A dQ writer warp").
+
+Warp 1 of the producer warpgroup issues each query tile's bulk reduce-adds of the dQ partial rows; the consumers write
+sdQ and only arrive on a named barrier. CPU only: the protocol is read from the rendered kernel (barrier ids, thread
+counts, the order of the waits, arrives and sdQ accesses) and replayed on a model of named barriers under random
+interleavings; the writer must visit the consumers' tiles (its loop is the producer's). `-m compile` cross-compiles.
+On the H200 `bench.bwd_experiments` compares dQ, dK, dV with the kernel without it (`nodqwarp`).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+
+import pytest
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.spec import load_specs
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+
+
+def _params(src: str) -> dict:
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
+    return ast.literal_eval(node.value)
+
+
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _between(src: str, start: str, end: str) -> str:
+    i = src.index(start)
+    return src[i:src.index(end, i + len(start))]
+
+
+def _constants(src: str) -> dict:
+    out = {}
+    for name in ("DQ_FULL_BAR", "DQ_EMPTY_BAR", "SQ32_BARRIER0", "DQ_BARRIER"):
+        m = re.search(rf"^{name} = (\d+)", src, re.M)
+        if m:
+            out[name] = int(m.group(1))
+    m = re.search(r"^DQ_WARP_THREADS = 128 \* (\d+) \+ 32", src, re.M)
+    out["threads"] = 128 * int(m.group(1)) + 32 if m else None
+    return out
+
+
+def test_on_by_default_where_the_rows_go_by_bulk_copies():
+    """Every non-deterministic backward with the per-row bulk dQ path has the writer warp, except fp8_tensor's two
+    launches (its amax launch has no dQ tiles); `_det` variants keep the ordered per-element adds."""
+    for v in BWD:
+        p = _params(render_variant(v))
+        want = not p.get("deterministic") and p["ds_gran"] != "tensor"
+        assert bool(p.get("bwd_dq_warp")) is want, v.name
+        assert bool(p.get("bwd_dq_bulk")) is (not p.get("deterministic"))
+
+
+@pytest.mark.parametrize("v", [v for v in BWD if v.route in ("fp8_token", "bf16", "mxfp8_exact")
+                               and not dict(v.params).get("deterministic")], ids=lambda v: v.name)
+def test_protocol_read_from_the_kernel(v):
+    src = render_variant(v)
+    c = _constants(src)
+    wg = _params(src)["compute_warpgroups"]
+    assert c["threads"] == 128 * wg + 32
+    full, empty = c["DQ_FULL_BAR"], c["DQ_EMPTY_BAR"]
+    # distinct from every other named barrier of the kernel: 0 (CTA), 1 (consumers), 2 (det), 3 … 6 (square_32)
+    assert len({full, empty}) == 2 and {full, empty}.isdisjoint({0, 1, 2, 3, 4, 5, 6}) and max(full, empty) < 16
+    writer = _between(src, "    def dq_writer(", "    # Consumer warpgroups")
+    tile = _between(src, "    def one_tile(", "        bufs[0] = 1 - buf")
+    # the writer: one arrive on EMPTY before its loop; per tile: sync FULL, copies, wait for their reads, arrive EMPTY
+    w_events = [(m.start(), m.group(0)) for m in re.finditer(
+        r"barrier_arrive\(barrier_id=DQ_EMPTY_BAR|barrier\(barrier_id=DQ_FULL_BAR|bulk_reduce_add_f32\("
+        r"|cp_async_bulk_wait_group\(0, read=True\)|while unit < num_units", writer)]
+    kinds = [e for _, e in w_events]
+    assert kinds == ["barrier_arrive(barrier_id=DQ_EMPTY_BAR", "while unit < num_units",
+                     "barrier(barrier_id=DQ_FULL_BAR", "bulk_reduce_add_f32(", "cp_async_bulk_wait_group(0, read=True)",
+                     "barrier_arrive(barrier_id=DQ_EMPTY_BAR"], kinds
+    assert "number_of_threads=DQ_WARP_THREADS" in writer and "cp_async_bulk_wait_group(0, read=False)" in writer
+    # the consumers: sync EMPTY, write sdQ, fence, arrive FULL; no bulk copy of their own, no wait on copies
+    bulk = tile[tile.index("{% elif dq_bulk %}") if "{% elif dq_bulk %}" in tile else tile.index("dQ writer warp: sdQ"):]
+    i_empty = bulk.index("cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)")
+    i_store = bulk.index("cute.autovec_copy(v2, dst2)")
+    i_fence = bulk.index("cute.arch.fence_view_async_shared()", i_store)
+    i_full = bulk.index("cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)")
+    assert i_empty < i_store < i_fence < i_full
+    assert "bulk_reduce_add_f32(" not in tile and "cp_async_bulk_wait_group" not in tile
+    # the writer visits the consumers' tiles: its unit and tile loops are the producer's, line for line
+    load = _between(src, "    def load(", "    # -----------")
+
+    def loops(body: str) -> list[str]:
+        keep = ("while unit < num_units", ".decode(unit, mWork, mCu, HKV)", "bwd_tiling(n_block, doc_start, doc_len)",
+                "if (doc >= 0) & (m_lo < m_hi):", "for hh in cutlass.range(group, unroll=1):",
+                "for mi in cutlass.range(m_hi - m_lo, unroll=1):", "m_block = m_lo + mi", ".next_unit(unit, num_units)",
+                "unit = num_units")
+        return [ln.strip() for ln in body.splitlines() if any(k in ln for k in keep)]
+
+    assert loops(writer) == loops(load)
+    # the writer's rows are one_tile's: document-local row qrow0 + r inside [0, doc_len), token q_tok0 + r
+    assert "qrow0 = m_block * self.tile_m - delta" in writer and "q_tok0 = base + m_block * self.tile_m" in writer
+    assert "m_block * m - delta, base + m_block * m, head" in src  # one_tile's qrow0, q_tok0 arguments
+    assert "if (qrow0 + r >= 0) & (qrow0 + r < doc_len):" in writer
+    # the writer runs on warp 1 of the producer warpgroup (after its register decrease)
+    kern = _between(src, "        if warp_idx < 4:", "        else:")
+    assert kern.index("setmaxregister_decrease") < kern.index("if warp_idx == 1:") < kern.index("self.dq_writer(")
+
+
+def test_protocol_model_never_deadlocks_and_never_overlaps():
+    """Named barriers as the hardware counts them (a generation completes when count arrivals are in; bar.sync blocks
+    its threads until then): consumers (256 threads) and the writer (32) under random interleavings. Every tile's
+    rows are copied after the consumers wrote them and before they write the next tile's; nothing deadlocks; the one
+    EMPTY arrive of the writer's last tile stays pending at exit."""
+    threads = 288
+    for seed in range(300):
+        rnd = random.Random(seed)
+        tiles = rnd.randint(0, 6)
+        count = {"full": 0, "empty": 0}  # arrivals of the open generation
+        gen = {"full": 0, "empty": 0}  # completed generations
+        # program counters: consumers (as one group: their 256 threads act together at each barrier) and writer
+        cons = [("sync", "empty"), ("write",), ("arrive", "full")] * tiles
+        wr = [("arrive", "empty")] + [("sync", "full"), ("read",), ("arrive", "empty")] * tiles
+        pc = {"c": 0, "w": 0}
+        waiting = {"c": None, "w": None}  # generation a blocked sync waits for
+        n = {"c": 256, "w": 32}
+        sdq = []  # writes and reads of the staging tile in time order
+        while pc["c"] < len(cons) or pc["w"] < len(wr):
+            runnable = []
+            for who, prog in (("c", cons), ("w", wr)):
+                if pc[who] >= len(prog):
+                    continue
+                if waiting[who] is not None:
+                    bar, g = waiting[who]
+                    if gen[bar] > g:
+                        runnable.append(who)
+                    continue
+                runnable.append(who)
+            assert runnable, f"deadlock at {pc}"
+            who = rnd.choice(runnable)
+            prog = cons if who == "c" else wr
+            op = prog[pc[who]]
+            if waiting[who] is not None:  # its sync completed
+                waiting[who] = None
+                pc[who] += 1
+                continue
+            if op[0] in ("sync", "arrive"):
+                bar = op[1]
+                count[bar] += n[who]
+                assert count[bar] <= threads, "a generation overran (arrivals of two tiles mixed)"
+                g = gen[bar]
+                if count[bar] == threads:
+                    count[bar] = 0
+                    gen[bar] += 1
+                if op[0] == "sync" and gen[bar] == g:
+                    waiting[who] = (bar, g)
+                    continue
+            else:
+                sdq.append((op[0], who))
+            pc[who] += 1
+        assert [a for a, _ in sdq] == ["write", "read"] * tiles
+        assert count == {"full": 0, "empty": 32}
+
+
+def test_every_backward_experiment_changes_the_kernel_it_copies():
+    """An experiment copy renders differently from its base (outside PARAMS and the name): a tag whose flag is already
+    the default there would time one kernel twice."""
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    def body(src: str, name: str) -> str:
+        src = src.replace(name, "NAME")
+        return src[src.index("# Runtime call signature"):]
+
+    bwd, _ = bx.base_variants()
+    base = {v.name: v for v in bwd}
+    seen = set()
+    for tag, v in experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS):
+        if not tag:
+            continue
+        b = base[bx.split_name(v.name, bx.EXPERIMENTS)[0]]
+        assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
+        seen.add(tag)
+    assert {"nodqwarp", "noqperm", "r12"} <= seen
+
+
+@pytest.mark.compile
+def test_compile_dq_warp(compile_sm90):
+    """Cross-compiles for sm_90a: the writer's bulk reduce-adds and the two named barriers are in the PTX."""
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    ptx = compile_sm90(v)
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert re.search(r"bar\.sync\s+7, 288", ptx) or re.search(r"barrier\.sync(\.aligned)?\s+7, 288", ptx)
+    assert re.search(r"bar(rier\.cta)?\.arrive(\.aligned)?\s+8, 288", ptx)
