@@ -513,7 +513,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
     if params.get("bwd_q_row_perm"):
         # the row-permuting Q and dO TMAs read whole 16-token groups: rows T … T_PAD − 1 of the codes' storage
-        # (masked queries; the quantizers' padded storage has them, otherwise a zero-padded copy)
+        # (masked queries). The quantizers' padded storage has them; other codes (a caller's own) cost a zero-padded
+        # copy per call here. A caller of the kernel without this wrapper must pass such storage itself: ARGS says
+        # (T, HQ, D) for q and do, the kernel reads T_PAD rows.
         q, do = k_rows_for_tma(q, q_t.shape[2]), k_rows_for_tma(do, do_t.shape[2])
     if fp8:
         as_do = _as_e5m2 if do5 else _as_e4m3

@@ -110,59 +110,122 @@ def test_protocol_read_from_the_kernel(v):
     assert kern.index("setmaxregister_decrease") < kern.index("if warp_idx == 1:") < kern.index("self.dq_writer(")
 
 
-def test_protocol_model_never_deadlocks_and_never_overlaps():
+_EVENTS = (("sync", "empty", "cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)"),
+           ("arrive", "empty", "cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)"),
+           ("sync", "full", "cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)"),
+           ("arrive", "full", "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)"),
+           ("write",  None, "cute.autovec_copy(v2, dst2)"),
+           ("read", None, "bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD"))
+
+
+def _events(body: str, indent: int | None = None) -> list[tuple]:
+    """The protocol's statements of `body` in source order, each with its indentation; `indent`: keep only those."""
+    out = []
+    for line in body.splitlines():
+        for op, bar, stmt in _EVENTS:
+            if line.strip().startswith(stmt):
+                ind = len(line) - len(line.lstrip())
+                if indent is None or ind == indent:
+                    out.append((op, bar, ind))
+    return out
+
+
+def _programs(src: str):
+    """(consumer program per tile, writer prologue, writer program per tile) as the rendered kernel runs them. Every
+    statement must be unconditional inside its block: one_tile's at its body's indentation (mma calls one_tile once
+    per query tile: an interior / masked if-else of two calls), the writer's at its tile loop's body's."""
+    tile = _between(src, "    def one_tile(", "        bufs[0] = 1 - buf")
+    cons = _events(tile)
+    writes = [e for e in cons if e[0] == "write"]
+    assert writes and len({e[2] for e in writes}) == 1  # the sdQ stores of one loop
+    assert all(e[2] == 8 for e in cons if e[0] != "write"), cons  # barriers at one_tile's body level: unconditional
+    cons_prog = [(op, bar) for op, bar, _ in cons if op != "write" or (op, bar, _) == writes[0]]
+    mma = _between(src, "    def mma(", "    def amax_sweep(" if "def amax_sweep(" in src else "    def load2(")
+    loop = mma[mma.index("for mi in cutlass.range(m_hi - m_lo, unroll=1):"):mma.index("pipe_kv.consumer_release(kv_state)")]
+    calls = [ln for ln in loop.splitlines() if "self.one_tile(" in ln]
+    if len(calls) == 2:  # interior / masked: an if-else, one call each
+        heads = [ln.strip() for ln in loop.splitlines() if ln.strip().startswith(("if (m_block >= i_lo)", "else:"))]
+        assert len(heads) == 2 and heads[1] == "else:"
+    else:
+        assert len(calls) == 1
+    writer = _between(src, "    def dq_writer(", "    # Consumer warpgroups")
+    pro = [(op, bar) for op, bar, _ in _events(writer[:writer.index("while unit < num_units")])]
+    mi = writer[writer.index("for mi in cutlass.range(m_hi - m_lo, unroll=1):"):]
+    ind = len(mi.splitlines()[1]) - len(mi.splitlines()[1].lstrip())  # the tile loop's body
+    # the barriers at the tile loop's body level (unconditional); the copies sit under the row predicate
+    per = [(op, bar) for op, bar, i in _events(mi) if i == ind or op == "read"]
+    assert len(per) == len(_events(mi)), "a writer barrier of the tile loop under a condition"
+    return cons_prog, pro, per
+
+
+@pytest.mark.parametrize("v", [v for v in BWD if v.route in ("fp8_token", "bf16") and v.param("head_dim") == 128
+                               and not dict(v.params).get("deterministic")], ids=lambda v: v.name)
+def test_protocol_model_never_deadlocks_and_never_overlaps(v):
     """Named barriers as the hardware counts them (a generation completes when count arrivals are in; bar.sync blocks
-    its threads until then): consumers (256 threads) and the writer (32) under random interleavings. Every tile's
-    rows are copied after the consumers wrote them and before they write the next tile's; nothing deadlocks; the one
-    EMPTY arrive of the writer's last tile stays pending at exit."""
-    threads = 288
+    its threads until then), running the programs read from the rendered kernel: consumers (256 threads, acting
+    together at each barrier) and the writer (32), any number of tiles, random interleavings. Every tile's rows are
+    read after the consumers wrote them and before they write the next tile's; nothing deadlocks; the writer's last
+    EMPTY arrive stays pending at exit."""
+    src = render_variant(v)
+    cons_tile, writer_pro, writer_tile = _programs(src)
+    assert cons_tile == [("sync", "empty"), ("write", None), ("arrive", "full")]
+    assert writer_pro == [("arrive", "empty")] and writer_tile == [("sync", "full"), ("read", None), ("arrive", "empty")]
     for seed in range(300):
-        rnd = random.Random(seed)
-        tiles = rnd.randint(0, 6)
-        count = {"full": 0, "empty": 0}  # arrivals of the open generation
-        gen = {"full": 0, "empty": 0}  # completed generations
-        # program counters: consumers (as one group: their 256 threads act together at each barrier) and writer
-        cons = [("sync", "empty"), ("write",), ("arrive", "full")] * tiles
-        wr = [("arrive", "empty")] + [("sync", "full"), ("read",), ("arrive", "empty")] * tiles
-        pc = {"c": 0, "w": 0}
-        waiting = {"c": None, "w": None}  # generation a blocked sync waits for
-        n = {"c": 256, "w": 32}
-        sdq = []  # writes and reads of the staging tile in time order
-        while pc["c"] < len(cons) or pc["w"] < len(wr):
-            runnable = []
-            for who, prog in (("c", cons), ("w", wr)):
-                if pc[who] >= len(prog):
-                    continue
-                if waiting[who] is not None:
-                    bar, g = waiting[who]
-                    if gen[bar] > g:
-                        runnable.append(who)
-                    continue
-                runnable.append(who)
-            assert runnable, f"deadlock at {pc}"
-            who = rnd.choice(runnable)
-            prog = cons if who == "c" else wr
-            op = prog[pc[who]]
-            if waiting[who] is not None:  # its sync completed
-                waiting[who] = None
-                pc[who] += 1
-                continue
-            if op[0] in ("sync", "arrive"):
-                bar = op[1]
-                count[bar] += n[who]
-                assert count[bar] <= threads, "a generation overran (arrivals of two tiles mixed)"
-                g = gen[bar]
-                if count[bar] == threads:
-                    count[bar] = 0
-                    gen[bar] += 1
-                if op[0] == "sync" and gen[bar] == g:
-                    waiting[who] = (bar, g)
-                    continue
-            else:
-                sdq.append((op[0], who))
+        _simulate(cons_tile, writer_pro, writer_tile, _constants(src)["threads"], seed)
+
+
+def _simulate(cons_tile, writer_pro, writer_tile, threads: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    tiles = rnd.randint(1, 6)
+    n = {"c": threads - 32, "w": 32}
+    prog = {"c": cons_tile * tiles, "w": writer_pro + writer_tile * tiles}
+    count = {"full": 0, "empty": 0}  # arrivals of the open generation
+    gen = {"full": 0, "empty": 0}  # completed generations
+    pc = {"c": 0, "w": 0}
+    waiting = {"c": None, "w": None}  # (barrier, generation) a blocked sync waits for
+    sdq = []
+    while pc["c"] < len(prog["c"]) or pc["w"] < len(prog["w"]):
+        runnable = [who for who in ("c", "w") if pc[who] < len(prog[who])
+                    and (waiting[who] is None or gen[waiting[who][0]] > waiting[who][1])]
+        assert runnable, f"deadlock at {pc}"
+        who = rnd.choice(runnable)
+        if waiting[who] is not None:  # its sync completed
+            waiting[who] = None
             pc[who] += 1
-        assert [a for a, _ in sdq] == ["write", "read"] * tiles
-        assert count == {"full": 0, "empty": 32}
+            continue
+        op, bar = prog[who][pc[who]]
+        if op in ("sync", "arrive"):
+            count[bar] += n[who]
+            assert count[bar] <= threads, "a generation overran (arrivals of two tiles mixed)"
+            g = gen[bar]
+            if count[bar] == threads:
+                count[bar] = 0
+                gen[bar] += 1
+            if op == "sync" and gen[bar] == g:
+                waiting[who] = (bar, g)
+                continue
+        else:
+            sdq.append(op)
+        pc[who] += 1
+    assert sdq == ["write", "read"] * tiles, sdq
+    assert count == {"full": 0, "empty": 32}
+
+
+def test_protocol_model_catches_planted_errors():
+    """The model fails on a writer without its first EMPTY arrive (deadlock) and on a writer that hands sdQ back before
+    its copies (the consumers may then overwrite rows not yet read)."""
+    cons = [("sync", "empty"), ("write", None), ("arrive", "full")]
+    tile = [("sync", "full"), ("read", None), ("arrive", "empty")]
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(cons, [], tile, 288, 0)
+    early = [("sync", "full"), ("arrive", "empty"), ("read", None)]
+    fails = 0
+    for seed in range(50):
+        try:
+            _simulate(cons, [("arrive", "empty")], early, 288, seed)
+        except AssertionError:
+            fails += 1
+    assert fails > 0
 
 
 def test_every_backward_experiment_changes_the_kernel_it_copies():

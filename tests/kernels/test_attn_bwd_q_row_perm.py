@@ -107,8 +107,8 @@ def test_mapping_matches_fragments_words_masks_and_dq_slots(v):
     # the dQ amax: writers and the dS scale readers index slots by column; dQ row r (natural) reads col_of_query(r),
     # the slot of the column that holds query r
     assert "sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]" in src
-    for r in range(m):
-        assert query_of_col(col_of_query(r)) == r
+    untrimmed = _render(v, bwd_q_row_perm=True, bwd_alu_trim=False)
+    assert "e = ds_exponent(bits_f32(sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]))" in untrimmed
     # the Q and dO TMA view: smem row r of a 16-aligned tile receives token offset (2, 4, 2, ·):(1, 4, 2, 16)(r)
     assert "((2, 4, 2, t_pad // 16), row), stride=((row, 4 * row, 2 * row, 16 * row), 1)" in src
     for r in range(m):
@@ -125,9 +125,23 @@ def test_runtime_pads_the_permuted_rows():
 
     from flamia_gen.runtime import attn_bwd
 
+    import torch
+
+    from flamia_gen.runtime.attn_fwd import k_rows_for_tma
+    from flamia_gen.runtime.quant import padded_token_rows
+
     body = inspect.getsource(attn_bwd.run_attn_bwd)
     assert 'if params.get("bwd_q_row_perm"):' in body
     assert "k_rows_for_tma(q, q_t.shape[2]), k_rows_for_tma(do, do_t.shape[2])" in body
+    # unpadded codes: a copy whose storage holds T_PAD rows, the rows past T zero, the first T equal
+    q = torch.randint(1, 255, (20, 2, 16), dtype=torch.uint8)
+    got = k_rows_for_tma(q, 32)
+    assert got.shape == q.shape and torch.equal(got, q) and got.data_ptr() != q.data_ptr()
+    full = torch.as_strided(got, (32, 2, 16), got.stride())
+    assert torch.count_nonzero(full[20:]) == 0
+    # the quantizers' padded storage: no copy
+    pq = padded_token_rows((20, 2, 16), torch.uint8, "cpu")
+    assert k_rows_for_tma(pq, 32).data_ptr() == pq.data_ptr()
 
 
 def test_bwd_experiments_off_tag_applies_to_fp8_token_only():
