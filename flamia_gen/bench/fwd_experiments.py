@@ -51,16 +51,10 @@ EXPERIMENTS: dict[str, dict] = {
     # fwd_window_pass (on since 2026-12-01): the per-row-limit windows of 2026-11-29, for a same-process A/B
     "nowpass": dict(over={"fwd_window_pass": False}, when=lambda p: True,
                     note="windows by per-row limits live across the tile loops (the kernel of 2026-11-29)"),
-    # round 12 (2026-12-02, docs/kernels/attn_fwd.md "Round 12"): shorter dependent chains per tile of the plain
-    # (no-overlap) forward; measured on the H200 and not adopted (pvd: −17 % on the 3-warpgroup kernel, which
-    # then spills; mt4: −1 %)
-    "pvd": dict(over={"pv_defer": True}, when=lambda p: not p["intra_wg_overlap"],
-                note="PV not waited for alone: the next QKᵀ is issued behind it, one wait covers both"),
-    "mt4": dict(over={"max_tree": 4}, when=lambda p: True, note="row max of pass 1 in 4 partial chains per row"),
+    # round 12 (2026-12-02, docs/kernels/attn_fwd.md "Round 12"): the ex2 turn handed on mid-pass (measured 0.96×);
+    # pv_defer (−17 %, spills), max_tree (−1 %) and, in round 13, fk_prefetch (−1 %) were measured and their flags removed
     "ring8": dict(over={"ex2_ring": 8}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"] and p["tile_n"] == 128,
                   note="the ex2 turn handed on after half of pass 2 (8 of 16 column groups)"),
-    "fkp": dict(over={"fk_prefetch": True}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],
-                note="pass 1's first two column groups of per-key factors loaded while QKᵀ runs (built, not yet run)"),
     # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap): the A/B
     # against the kernel without them
     "noring": dict(over={"ex2_ring": False}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],

@@ -78,7 +78,7 @@ def regions(rows: list[dict]) -> list[Region]:
     for r in rows:
         is_anchor = bool(ANCHOR.search(r["src"]))
         key = _opcode(r["src"]) if is_anchor else None
-        new = (cur is None or (is_anchor and (cur.key != key or "BAR" in key or "DEPBAR" in r["src"] or "BRA" in key))
+        new = (cur is None or (is_anchor and (cur.key != key or "BAR" in key or "BRA" in key))
                or (not is_anchor and cur.key is not None))
         if new:
             cur = Region(start=r["addr"], first=r["src"], key=key)

@@ -22,6 +22,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .quant import padded_token_rows
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 _FP8_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
@@ -184,9 +186,9 @@ def k_rows_for_tma(k: torch.Tensor, t_pad: int) -> torch.Tensor:
     need = (k.storage_offset() + t_pad * k.shape[1] * k.shape[2]) * k.element_size()
     if k.untyped_storage().nbytes() >= need:
         return k
-    kp = torch.zeros((t_pad, *k.shape[1:]), dtype=k.dtype, device=k.device)
-    kp[:T].copy_(k)
-    return kp[:T]
+    kp = padded_token_rows(k.shape, k.dtype, k.device, t_pad)
+    kp.copy_(k)
+    return kp
 
 
 def _need(cond: bool, name: str, msg: str) -> None:

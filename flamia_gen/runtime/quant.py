@@ -176,13 +176,14 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
     return out
 
 
-def padded_token_rows(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """A (T, …) tensor whose storage holds T_pad = ceil(T / 16)·16 rows, the rows past T zero.
+def padded_token_rows(shape: Sequence[int], dtype: torch.dtype, device, t_pad: int | None = None) -> torch.Tensor:
+    """A (T, …) tensor whose storage holds t_pad (default T_pad = ceil(T / 16)·16) rows, the rows past T zero.
 
     The forward's row-permuting K TMA (k_row_perm) and fp8_token's backward Q and dO TMAs (bwd_q_row_perm) read
     whole 16-token groups, so up to T_pad rows (masked in the kernel); with this storage `attn_fwd.k_rows_for_tma`
     needs no padded copy of K, Q or dO."""
-    t_pad = -(-shape[0] // 16) * 16
+    if t_pad is None:
+        t_pad = -(-shape[0] // 16) * 16
     full = torch.empty((t_pad, *shape[1:]), dtype=dtype, device=device)
     full[shape[0]:].zero_()
     return full[: shape[0]]

@@ -83,7 +83,7 @@ def test_protocol_read_from_the_kernel(v):
                      "barrier_arrive(barrier_id=DQ_EMPTY_BAR"], kinds
     assert "number_of_threads=DQ_WARP_THREADS" in writer and "cp_async_bulk_wait_group(0, read=False)" in writer
     # the consumers: sync EMPTY, write sdQ, fence, arrive FULL; no bulk copy of their own, no wait on copies
-    bulk = tile[tile.index("{% elif dq_bulk %}") if "{% elif dq_bulk %}" in tile else tile.index("dQ writer warp: sdQ"):]
+    bulk = tile[tile.index("dQ writer warp: sdQ"):]
     i_empty = bulk.index("cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)")
     i_store = bulk.index("cute.autovec_copy(v2, dst2)")
     i_fence = bulk.index("cute.arch.fence_view_async_shared()", i_store)
@@ -139,7 +139,10 @@ def _programs(src: str):
     writes = [e for e in cons if e[0] == "write"]
     assert writes and len({e[2] for e in writes}) == 1  # the sdQ stores of one loop
     assert all(e[2] == 8 for e in cons if e[0] != "write"), cons  # barriers at one_tile's body level: unconditional
-    cons_prog = [(op, bar) for op, bar, _ in cons if op != "write" or (op, bar, _) == writes[0]]
+    cons_prog = []  # in source order, the stores of the one loop as one "write"
+    for op, bar, _ in cons:
+        if not (op == "write" and cons_prog and cons_prog[-1] == ("write", None)):
+            cons_prog.append((op, bar))
     mma = _between(src, "    def mma(", "    def amax_sweep(" if "def amax_sweep(" in src else "    def load2(")
     loop = mma[mma.index("for mi in cutlass.range(m_hi - m_lo, unroll=1):"):mma.index("pipe_kv.consumer_release(kv_state)")]
     calls = [ln for ln in loop.splitlines() if "self.one_tile(" in ln]

@@ -91,9 +91,11 @@ def test_mapping_matches_fragments_words_masks_and_dq_slots(v):
     # per-query words: the producer writes query q's at row_word(col_of_query(q), w); a consumer reading column c
     # gets query_of_col(c)'s, which is the query its accumulator column holds
     assert "c = col_of_query(lane + 32 * j)  # the Sᵀ column that holds this query" in src
-    for c in range(m):
+    written = {row_word(col_of_query(q), w): (q, w) for q in range(m) for w in range(6)}
+    assert len(written) == 6 * m  # no two words share a slot
+    for c in range(0, m, 2):  # load2 at row_word(c even, w): columns c, c + 1, their queries' words
         for w in range(6):
-            assert row_word(col_of_query(query_of_col(c)), w) == row_word(c, w)
+            assert [written[row_word(c, w) + d] for d in (0, 1)] == [(query_of_col(c), w), (query_of_col(c + 1), w)]
     # dS to shared memory: (key, column, buffer) through the composed layout must land on (key, query_of_col(column))
     # of the natural (queries, keys, 2) tile, linear index q + m·key + m·n·buf
     lay = "cute.make_layout((n, (2, 2, 2, 2, m // 16), 2),\n" \

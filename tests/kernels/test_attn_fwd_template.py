@@ -454,8 +454,7 @@ def test_compile_fp8_k_row_perm_variant(compile_sm90):
 # kv_stages, release_k_early, exp_poly_frac, ovl_pingpong (template flags, all at their defaults;
 # flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
 # defaults the rendered source must be byte-identical to the verified kernel.
-_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True, pv_defer=False, max_tree=1,
-                fk_prefetch=False)
+_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -661,7 +660,8 @@ def test_compile_head_dim_64(compile_sm90, route):
 
 # ----------------------------------------------------------------------------- round 12 (2026-12-02)
 # ex2_ring (on for the E4M3-QKᵀ mode without intra-warpgroup overlap): the consumer warpgroups take turns
-# for pass 2 of the softmax through a ring of named barriers. pv_defer and max_tree: measured, not adopted.
+# for pass 2 of the softmax through a ring of named barriers. pv_defer, max_tree, fk_prefetch: measured, not adopted,
+# removed in round 13.
 def _ring_expected(v) -> bool:
     return v in _FP8 and not v.param("intra_wg_overlap") and v.param("compute_warpgroups") >= 2
 
@@ -760,32 +760,11 @@ def test_ex2_ring_protocol_alternates_and_never_deadlocks(v):
 
 @pytest.mark.parametrize("v", [v for v in _FP8 if "_wg3_" in v.name][:2], ids=lambda v: v.name)
 def test_round12_experiment_flags_render(v):
-    src = _render_with(v, pv_defer=True, max_tree=4, ex2_ring=8)
-    lit = _literals(src)["PARAMS"]
-    assert lit["pv_defer"] is True and lit["max_tree"] == 4 and lit["ex2_ring"] == 8
-    body = src[src.index("    def one_tile("):]
-    # pv_defer: the previous tile's V stage is released after this tile's QKᵀ wait; the unit's last one after the loops
-    assert body.index("warpgroup.wait_group(0)") < body.index("pipe_v.consumer_release(v_prev)")
-    mma = src[src.index("    def mma("):src.index("    def gemm(")]
-    assert "warpgroup.wait_group(0)  # the unit's last PV" in mma
-    # max_tree: 2 rows × 4 partial maxima, combined pairwise into mx[rh] before the quad reduction
-    sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
-    assert "mx = cute.make_rmem_tensor((2 * 4,), Float32)" in sm and "mx[rh * 4 + cg % 4]" in sm
-    assert sm.index("mx[rh] = mx[rh * 4]") < sm.index("quad_max(mx[rh])")
+    src = _render_with(v, ex2_ring=8)
+    assert _literals(src)["PARAMS"]["ex2_ring"] == 8
     # ex2_ring = 8: the turn is handed on inside pass 2, after column group 7
-    assert "if const_expr(cg == 7):" in sm
-    # fk_prefetch: column groups 0 and 1's factors are loaded between QKᵀ's issue and its wait, at the words pass 1
-    # would read them from (scale_word of columns 0 and 8 of this thread: tScS[0], tScS[4])
-    src = _render_with(v, fk_prefetch=True)
-    assert _literals(src)["PARAMS"]["fk_prefetch"] is True
-    tile = src[src.index("    def one_tile("):]
-    issue = tile.index("self.gemm(tiled_mma_qk, acc_S")
-    pre = tile.index("fkp1 = self.load_scales(sScale, kv_state.index * self.scale_words + scale_word(tScS[4][1], 0), 4)")
-    assert issue < tile.index("fkp0 = self.load_scales(sScale, kv_state.index * self.scale_words + "
-                              "scale_word(tScS[0][1], 0), 4)") < pre < tile.index("warpgroup.wait_group(0)")
     sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
-    assert "fk = fkp0 if cg == 0 else (fkp1 if cg == 1 else self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 0), 4))" in sm
-    assert "base = stage * self.scale_words" in sm and "mask, fkp0, fkp1)" in tile
+    assert "if const_expr(cg == 7):" in sm
 
 
 @pytest.mark.compile
@@ -793,8 +772,7 @@ def test_compile_round12_default_and_experiments(compile_sm90):
     v = next(v for v in _FP8 if "_wg3_" in v.name and not v.name.endswith("_noncausal"))
     ptx = compile_sm90(v)
     assert "bar.arrive" in ptx and "cp.async.bulk.tensor.5d" in ptx  # the ring; K through the rank-5 TMA
-    compile_sm90(v, source=_render_with(v, pv_defer=True, max_tree=4, ex2_ring=8))
-    compile_sm90(v, source=_render_with(v, fk_prefetch=True))
+    compile_sm90(v, source=_render_with(v, ex2_ring=8))
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed"])
