@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 NOT_INSTALLED = "not installed"
 NO_CUDA = "no CUDA device"
 EQUAL_DOCS_REASON = "needs equal documents (padding would waste memory)"
+MODES = ("fwd", "bwd", "train")  # forward call; backward call alone (after an untimed forward); both
 
 
 class PeerSkip(Exception):
@@ -90,12 +91,17 @@ class Adapter:
         raise NotImplementedError
 
     def prepare(self, workload, inputs: Sequence[Sequence[Any]], mode: str) -> Callable[[], Any]:
-        """A zero-arg callable doing one call of ``mode`` ('fwd' or 'train'),
-        rotating through ``inputs`` (a list of (q, k, v)) one set per call."""
+        """A zero-arg callable doing one call of ``mode`` ('fwd', 'bwd' or 'train'),
+        rotating through ``inputs`` (a list of (q, k, v)) one set per call.
+
+        'bwd' times the backward call alone: each set's forward runs once here, outside the
+        timed calls, and every call differentiates its graph again (``retain_graph``), so
+        what is timed is whatever the implementation's backward launches (for our routes
+        the dO quantizer and the backward kernel, for FA4 its pre- and post-processing)."""
         import torch
 
-        if mode not in ("fwd", "train"):
-            raise ValueError(f"mode must be 'fwd' or 'train', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         f = self.build(workload)
         if mode == "fwd":
             sets = [tuple(s) for s in inputs]
@@ -113,6 +119,16 @@ class Adapter:
         sets = [tuple(t.detach().requires_grad_(True) for t in s) for s in inputs]
         d_out = fixed_grad_output(sets[0][0])
         cyc = itertools.cycle(sets)
+
+        if mode == "bwd":
+            graphs = [(f(*s), s) for s in sets]  # the forwards, once, untimed
+            cyc_g = itertools.cycle(graphs)
+
+            def bwd_call():
+                o, s = next(cyc_g)
+                return torch.autograd.grad(o, s, d_out, retain_graph=True)
+
+            return bwd_call
 
         def train_call():
             q, k, v = next(cyc)

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="tiny131072x1")
     ap.add_argument("--impls", default="flamia_bf16,flamia_fp8_token")
-    ap.add_argument("--mode", default="train", choices=("fwd", "train"))
+    ap.add_argument("--mode", default="train", choices=("fwd", "bwd", "train"))
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args(argv)

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .adapter import MODES
 from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP, MIN_REPEATS_DESIGN
 from .workloads import DEFAULT_WORKLOADS
 
@@ -38,8 +39,9 @@ def _parse_impls(ctx, param, value):
                    "patterns eq<N>x<L>, skew<B>+<N>x<L>, long<T>, lognormal:<T>:<seed>).")
 @click.option("--impls", "impls", default="all", show_default=True, callback=_parse_impls,
               help="Comma-separated implementations, or 'all', 'peers', 'ours'.")
-@click.option("--mode", type=click.Choice(["fwd", "train"]), default="fwd", show_default=True,
-              help="fwd: forward only; train: quantization + forward + backward.")
+@click.option("--mode", type=click.Choice(list(MODES)), default="fwd", show_default=True,
+              help="fwd: forward only; bwd: the backward call alone (each input set's forward runs "
+                   "once, untimed); train: quantization + forward + backward.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, writable=True),
               default="bench_out", show_default=True, help="Folder for JSON, table and PNG.")
 @click.option("--repeats", type=click.IntRange(min=1), default=DEFAULT_REPEATS,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .adapter import (EQUAL_DOCS_REASON, NO_CUDA, Adapter, PeerSkip, dist_version,
+from .adapter import (EQUAL_DOCS_REASON, MODES, NO_CUDA, Adapter, PeerSkip, dist_version,
                       fixed_grad_output, no_cuda_reason, try_import)
 
 E4M3_MAX = 448.0
@@ -165,15 +165,17 @@ class _Runner:
         self.fwd.graph.execute(self.fwd.pack(buf), self.workspace, handle=self.handle)
         return vs[2]
 
-    def backward(self, qs, ks, vs, descale_o, dos):
+    def backward(self, qs, ks, vs, descale_o, dos, o8=None, stats=None):
+        """``o8``/``stats``: a saved forward's (bwd mode keeps one per input set); default the
+        last forward's."""
         sc, de, am = self.bwd_scale, self.bwd_descale, self.bwd_amax
 
         def s(t, i):
             return t[i:i + 1].view(1, 1, 1, 1)
 
         buf = {
-            "q": qs[0], "k": ks[0], "v": vs[0], "o": self.o8, "dO": dos[0],
-            "stats": self.stats,
+            "q": qs[0], "k": ks[0], "v": vs[0], "o": self.o8 if o8 is None else o8, "dO": dos[0],
+            "stats": self.stats if stats is None else stats,
             "descale_q": qs[2], "descale_k": ks[2], "descale_v": vs[2],
             "descale_o": descale_o, "descale_dO": dos[2],
             "descale_s": self.s_descale, "scale_s": self.s_scale,
@@ -283,15 +285,17 @@ class CudnnFp8Adapter(Adapter):
     def prepare(self, workload, inputs, mode):
         import torch
 
-        if mode not in ("fwd", "train"):
-            raise ValueError(f"mode must be 'fwd' or 'train', got {mode!r}")
-        train = mode == "train"
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        train = mode != "fwd"
         device = inputs[0][0].device
         r = self._make_runner(workload, train, device)
         d_out = fixed_grad_output(inputs[0][0]) if train else None
         out_dtype = inputs[0][0].dtype
         try:
-            if self.flavour == "kernel":
+            if mode == "bwd":
+                call = self._bwd_call(r, inputs, d_out, out_dtype)
+            elif self.flavour == "kernel":
                 # Quantized once, outside the timed region.
                 sets = [tuple(r.quantize(list(s))) for s in inputs]
                 dos = r.quantize([d_out])[0] if train else None
@@ -335,6 +339,34 @@ class CudnnFp8Adapter(Adapter):
             raise
         except Exception as exc:
             raise _skip_from(exc, "execution") from exc
+        return call
+
+    def _bwd_call(self, r: _Runner, inputs, d_out, out_dtype):
+        """The backward call alone. Each set's forward runs once here (its O codes and
+        statistics kept); a call runs what the flavour's train call runs after the forward:
+        dO's quantization (quant, e2e), the backward graph, the conversion of dQ, dK, dV
+        (e2e) and the delayed-scaling update (quant, e2e)."""
+        sets = [tuple(r.quantize(list(s))) for s in inputs]
+        dos_fixed = r.quantize([d_out])[0]
+        r.calibrate(*sets[0], dos_fixed)
+        saved = []
+        for qs, ks, vs in sets:
+            descale_o = r.forward(qs, ks, vs)
+            saved.append((qs, ks, vs, descale_o, r.o8.clone(), r.stats.clone()))
+        cyc = itertools.cycle(saved)
+        kernel, e2e = self.flavour == "kernel", self.flavour == "e2e"
+
+        def call():
+            qs, ks, vs, descale_o, o8, stats = next(cyc)
+            dos = dos_fixed if kernel else r.quantize([d_out])[0]
+            r.backward(qs, ks, vs, descale_o, dos, o8=o8, stats=stats)
+            outs = (r.dq8, r.dk8, r.dv8)
+            if e2e:
+                outs = r.dequant(outs, tuple(r.bwd_descale.unbind()[:3]), out_dtype)
+            if not kernel:
+                r.update_bwd_scales()
+            return outs
+
         return call
 
     def compute(self, workload, q, k, v, d_out, need_grad: bool = True):

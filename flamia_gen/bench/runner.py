@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .accuracy import ACCURACY_WORKLOAD, AccuracyResult, first_line, run_accuracy
-from .adapter import Adapter, PeerSkip, no_cuda_reason, status_of
+from .adapter import MODES, Adapter, PeerSkip, no_cuda_reason, status_of
 from .flops import tflops as _tflops
 from .flops import workload_flops
 from .peers import resolve_impls
@@ -24,7 +24,6 @@ from .report import (BenchRow, collect_metadata, compute_speedups, render_tables
 from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP, MIN_REPEATS_DESIGN, check_ceiling, time_fn
 from .workloads import Workload, get_workload, make_inputs, parse_workloads
 
-MODES = ("fwd", "train")
 FLOP_CONVENTION = ("causal fwd per head per document 4*D*L(L+1)/2 (non-causal 4*D*L^2), "
                    "bwd 2.5x fwd, train = fwd + bwd = 3.5x fwd; masked work never counted")
 

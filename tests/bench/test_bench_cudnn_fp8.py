@@ -180,3 +180,56 @@ def test_flavours_and_names():
     assert "BF16 outputs" in CudnnFp8Adapter("e2e").memory_note
     with pytest.raises(ValueError):
         CudnnFp8Adapter("fast")
+
+
+class _RecordingRunner:
+    """Duck-typed _Runner: records what a bwd-mode call runs."""
+
+    def __init__(self):
+        self.log, self.o8, self.stats = [], torch.zeros(1), torch.zeros(1)
+        self.dq8 = self.dk8 = self.dv8 = torch.zeros(1)
+        self.bwd_descale = torch.ones(4)
+        self.n_fwd = 0
+
+    def quantize(self, xs):
+        self.log.append(("quantize", len(xs)))
+        return [(x, 1.0, 1.0) for x in xs]
+
+    def calibrate(self, qs, ks, vs, dos):
+        self.log.append(("calibrate",))
+        self.forward(qs, ks, vs)
+
+    def forward(self, qs, ks, vs):
+        self.n_fwd += 1
+        self.o8 = torch.full((1,), float(self.n_fwd))  # a forward's own O codes
+        self.log.append(("forward",))
+        return 1.0
+
+    def backward(self, qs, ks, vs, descale_o, dos, o8=None, stats=None):
+        self.log.append(("backward", float(o8[0]), qs[0]))
+
+    def dequant(self, xs, descales, dtype):
+        self.log.append(("dequant", len(xs)))
+        return xs
+
+    def update_bwd_scales(self):
+        self.log.append(("update",))
+
+
+@pytest.mark.parametrize("flavour", ["kernel", "quant", "e2e"])
+def test_bwd_call_runs_only_the_backward_with_each_sets_saved_forward(flavour):
+    ad, r = CudnnFp8Adapter(flavour), _RecordingRunner()
+    sets = [(torch.tensor([float(i)]),) * 3 for i in (10, 20)]
+    call = ad._bwd_call(r, sets, torch.zeros(1), torch.bfloat16)
+    assert [e[0] for e in r.log].count("forward") == 3  # calibration + one per set
+    r.log.clear()
+    for _ in range(3):
+        call()
+    backs = [e for e in r.log if e[0] == "backward"]
+    # set i keeps the O of its own forward (forwards 2 and 3; 1 was the calibration's)
+    assert [(b[1], float(b[2][0])) for b in backs] == [(2.0, 10.0), (3.0, 20.0), (2.0, 10.0)]
+    assert ("forward",) not in r.log
+    kinds = [e[0] for e in r.log]
+    assert kinds.count("quantize") == (0 if flavour == "kernel" else 3)  # dO only, in the call
+    assert kinds.count("dequant") == (3 if flavour == "e2e" else 0)
+    assert kinds.count("update") == (0 if flavour == "kernel" else 3)

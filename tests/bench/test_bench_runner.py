@@ -116,3 +116,72 @@ def test_builtin_peers_become_rows_not_crashes(monkeypatch, tmp_path):
     assert all(r.status in ("not installed", "unavailable") for r in res.rows)
     doc = json.loads(res.json_path.read_text())
     assert set(doc["metadata"]["impls"]) == {r.impl for r in res.rows}
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the bwd mode must time it, and only it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+
+        time.sleep(0.004)
+        return g
+
+
+def test_bwd_mode_times_the_backward_alone(fakes, tmp_path):
+    exact = fakes["cpu_exact"]
+
+    class BwdSlow(exact):
+        name = "cpu_bwd_slow"
+
+        def build(self, workload):
+            f = super().build(workload)
+            return lambda q, k, v: _SlowBackward.apply(f(q, k, v))
+
+    forwards = []
+
+    class Counting(exact):
+        name = "cpu_counting"
+
+        def build(self, workload):
+            f = super().build(workload)
+
+            def g(q, k, v):
+                forwards.append(1)
+                return f(q, k, v)
+            return g
+
+    impls = [fakes["cpu_slow"](), BwdSlow(), Counting()]
+    res = run_bench([_wls()[0]], impls, mode="bwd", out_dir=tmp_path, repeats=3, warmup=1,
+                    accuracy=False, device="cpu", quiet=True, n_rotations=2)
+    rows = {r.impl: r for r in res.rows}
+    assert all(r.status == "ok" for r in res.rows), [r.note for r in res.rows]
+    # cpu_slow sleeps 4 ms in its forward: outside the timed backward calls
+    assert rows["cpu_slow"].median_ms < 3.5
+    assert rows["cpu_bwd_slow"].median_ms > 3.5
+    # one forward per input set (2 rotations), none inside the 1 + 3 timed calls
+    assert len(forwards) == 2
+    assert rows["cpu_slow"].flops == workload_flops(_wls()[0], "bwd")
+    assert res.json_path.name == "bench_bwd.json"
+    assert read_json(res.json_path)["metadata"]["mode"] == "bwd"
+
+
+def test_bwd_call_gives_the_train_calls_gradients(fakes):
+    wl = _wls()[0]
+    from flamia_gen.bench.workloads import make_inputs
+
+    inputs = make_inputs(wl, torch.bfloat16, "cpu", 0, 2)
+    ad = fakes["cpu_exact"]()
+    bwd, train = ad.prepare(wl, inputs, "bwd"), ad.prepare(wl, inputs, "train")
+    for _ in range(3):  # rotation: set 0, set 1, set 0 again (the retained graph)
+        gb, gt = bwd(), train()
+        assert len(gb) == 3
+        for a, b in zip(gb, gt):
+            assert a.abs().sum() > 0 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ad.prepare(wl, inputs, "inference")
