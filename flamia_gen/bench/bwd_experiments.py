@@ -55,6 +55,11 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
+    # bwd_own_dq (2026-12-02, twelfth session): each consumer warpgroup its own dQ partial over its 64 keys (no barrier
+    # joins the warpgroups inside a tile); bf16 and the BF16-dS routes, non-deterministic
+    "owndq": dict(over={"bwd_own_dq": True},
+                  when=lambda p: not p.get("deterministic") and (p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16"),
+                  note="each warpgroup its own dQ over its 64 keys, no cross-warpgroup barrier in a tile"),
     "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
                 when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
                 note="neither (the fp8_token backward of round 12)"),

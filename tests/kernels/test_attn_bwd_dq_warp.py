@@ -262,3 +262,146 @@ def test_compile_dq_warp(compile_sm90):
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     assert re.search(r"bar\.sync\s+7, 288", ptx) or re.search(r"barrier\.sync(\.aligned)?\s+7, 288", ptx)
     assert re.search(r"bar(rier\.cta)?\.arrive(\.aligned)?\s+8, 288", ptx)
+
+
+# ---- bwd_own_dq (experiment flag, off by default): each consumer warpgroup its own dQ partial and staging tile ----
+
+OWN_ROUTES = ("bf16", "fp8_pv")
+
+
+def _own_variants():
+    return [v for v in BWD if v.route in OWN_ROUTES and not dict(v.params).get("deterministic")]
+
+
+@pytest.mark.parametrize("v", _own_variants(), ids=lambda v: v.name)
+def test_own_dq_renders_per_warpgroup_barriers_and_staging(v):
+    src = _render(v, bwd_own_dq=True)
+    p = _params(src)
+    assert p.get("bwd_own_dq") is True and p["compute_warpgroups"] == 2
+    c = _constants(src)
+    assert re.search(r"^DQ_WARP_THREADS = 128 \+ 32$", src, re.M) and re.search(r"^DQ_BUFS = 2\b", src, re.M)
+    assert re.search(r"^OWN_DS_BAR0 = 3\b", src, re.M)
+    # ids: warpgroup w's pair DQ_FULL_BAR + 2w, DQ_EMPTY_BAR + 2w and dS barrier 3 + w: all distinct, none is 0, 1, 2
+    ids = {c["DQ_FULL_BAR"], c["DQ_EMPTY_BAR"], c["DQ_FULL_BAR"] + 2, c["DQ_EMPTY_BAR"] + 2, 3, 4}
+    assert len(ids) == 6 and ids.isdisjoint({0, 1, 2}) and max(ids) < 16
+    tile = _between(src, "    def one_tile(", "        return q_state")
+    # no barrier of both warpgroups left inside a tile
+    assert "barrier_id=1," not in tile
+    # order inside a tile: dS stored, own dS barrier, dQ slice 0, its wait, EMPTY, staged, slice 1, wait, staged, FULL
+    marks = ["dst[i] = rdS[i]", "cute.arch.barrier(barrier_id=OWN_DS_BAR0 + wg, number_of_threads=128)",
+             "self.gemm_k(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrK, wg * nkw, nkw)",
+             "warpgroup.wait_group(0)",
+             "cute.arch.barrier(barrier_id=DQ_EMPTY_BAR + 2 * wg, number_of_threads=DQ_WARP_THREADS)",
+             "cute.autovec_copy(v2, dst2)",
+             "self.gemm_k(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrK1, wg * nkw, nkw)",
+             "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR + 2 * wg, number_of_threads=DQ_WARP_THREADS)"]
+    pos, at = [], 0
+    for mk in marks:
+        at = tile.index(mk, at)
+        pos.append(at)
+    # sdS has one buffer: the only stores of dS come before this tile's EMPTY sync, so the next tile's come after it,
+    # and every thread of the warpgroup reaches EMPTY only after waiting for its dQ wgmma (which read sdS)
+    assert tile.count("dst[i] = rdS[i]") == 1 and "bufs[0] = 1 - buf" not in tile
+    assert "make_smem_layout(" in src and ", (m, n), 1)" in src
+    # the staging tile of warpgroup w: rows w·m … of sdQ, made right after its EMPTY sync
+    assert "sdQ = cute.make_tensor(sdQ.iterator + wg * m * DQ_LD, sdQ.layout)" in tile
+
+
+def _own_programs(src: str):
+    """(warpgroup program per tile, writer prologue, writer program per tile) of the own-dQ kernel, each event with its
+    staging tile (warpgroup w's own is 'w'; the writer's loop over w is unrolled)."""
+    tile = _between(src, "    def one_tile(", "        return q_state")
+    cons = []
+    for line in tile.splitlines():
+        s = line.strip()
+        if s.startswith("cute.arch.barrier(barrier_id=DQ_EMPTY_BAR + 2 * wg"):
+            cons.append(("sync", "empty"))
+        elif s.startswith("cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR + 2 * wg"):
+            cons.append(("arrive", "full"))
+        elif s.startswith("cute.autovec_copy(v2, dst2)") and cons[-1] != ("write", None):
+            cons.append(("write", None))
+    writer = _between(src, "    def dq_writer(", "    # Consumer warpgroups")
+    pro_src = writer[:writer.index("while unit < num_units")]
+    assert "for w in cutlass.range_constexpr(DQ_BUFS):" in pro_src
+    pro = [("arrive", "empty", w) for w in range(2)]
+    loop = writer[writer.index("for mi in cutlass.range(m_hi - m_lo, unroll=1):"):]
+    first = loop[loop.index("for w in cutlass.range_constexpr(DQ_BUFS):"):]
+    second = first[first.index("cute.arch.cp_async_bulk_commit_group()"):]
+    assert "cute.arch.barrier(barrier_id=DQ_FULL_BAR + 2 * w" in first[:first.index("bulk_reduce_add_f32(")]
+    assert "sdQ.iterator + (w * self.tile_m + r) * DQ_LD" in first
+    assert re.search(r"cp_async_bulk_wait_group\(DQ_BUFS - 1 - w, read=True\)\s+cute\.arch\.barrier_arrive\("
+                     r"barrier_id=DQ_EMPTY_BAR \+ 2 \* w", second)
+    per = [("sync", "full", 0), ("read", None, 0), ("sync", "full", 1), ("read", None, 1),
+           ("arrive", "empty", 0), ("arrive", "empty", 1)]
+    return cons, pro, per
+
+
+@pytest.mark.parametrize("v", _own_variants()[:2], ids=lambda v: v.name)
+def test_own_dq_protocol_model(v):
+    src = _render(v, bwd_own_dq=True)
+    cons, pro, per = _own_programs(src)
+    assert cons == [("sync", "empty"), ("write", None), ("arrive", "full")]
+    for seed in range(300):
+        _simulate_own(cons, pro, per, seed)
+
+
+def _simulate_own(cons_tile, writer_pro, writer_tile, seed: int) -> None:
+    """Two warpgroups (128 threads each, own barrier pair and staging tile) and the writer (32), as `_simulate`."""
+    rnd = random.Random(seed)
+    tiles = rnd.randint(1, 6)
+    actors = {0: [(op, bar, 0) for op, bar in cons_tile] * tiles, 1: [(op, bar, 1) for op, bar in cons_tile] * tiles,
+              "w": writer_pro + writer_tile * tiles}
+    n = {0: 128, 1: 128, "w": 32}
+    count = {(b, w): 0 for b in ("full", "empty") for w in (0, 1)}
+    gen = dict.fromkeys(count, 0)
+    pc = dict.fromkeys(actors, 0)
+    waiting = dict.fromkeys(actors)
+    log = {0: [], 1: []}
+    while any(pc[a] < len(actors[a]) for a in actors):
+        runnable = [a for a in actors if pc[a] < len(actors[a])
+                    and (waiting[a] is None or gen[waiting[a][0]] > waiting[a][1])]
+        assert runnable, f"deadlock at {pc}"
+        a = rnd.choice(runnable)
+        if waiting[a] is not None:
+            waiting[a] = None
+            pc[a] += 1
+            continue
+        op, bar, w = actors[a][pc[a]]
+        if op in ("sync", "arrive"):
+            key = (bar, w)
+            count[key] += n[a]
+            assert count[key] <= 160, "a generation overran"
+            g = gen[key]
+            if count[key] == 160:
+                count[key] = 0
+                gen[key] += 1
+            if op == "sync" and gen[key] == g:
+                waiting[a] = (key, g)
+                continue
+        else:
+            log[w].append(op)
+        pc[a] += 1
+    assert log[0] == log[1] == ["write", "read"] * tiles, log
+    assert count == {("full", 0): 0, ("full", 1): 0, ("empty", 0): 32, ("empty", 1): 32}
+
+
+def test_own_dq_model_catches_a_shared_hand_back():
+    """A writer that hands a staging tile back before reading it lets a warpgroup overwrite unread rows."""
+    cons = [("sync", "empty"), ("write", None), ("arrive", "full")]
+    pro = [("arrive", "empty", 0), ("arrive", "empty", 1)]
+    early = [("sync", "full", 0), ("arrive", "empty", 0), ("read", None, 0), ("sync", "full", 1), ("read", None, 1),
+             ("arrive", "empty", 1)]
+    fails = 0
+    for seed in range(60):
+        try:
+            _simulate_own(cons, pro, early, seed)
+        except AssertionError:
+            fails += 1
+    assert fails > 0
+
+
+def test_own_dq_is_off_by_default_and_not_for_amax_tiles():
+    for v in BWD:
+        assert "bwd_own_dq" not in _params(render_variant(v)), v.name
+    fp8 = next(v for v in BWD if v.route == "fp8_token" and not dict(v.params).get("deterministic"))
+    assert "bwd_own_dq" not in _params(_render(fp8, bwd_own_dq=True))  # a row amax over both warpgroups' keys
