@@ -36,6 +36,10 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
                              and p.get("q_gran") == "token" and p.get("ds_gran") == "token"
                              and not (p.get("diag_v") or p.get("diag_k") or p.get("rows_q") or p.get("scores_bf16")))
 
+# variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
+_dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
+_two_writers = lambda p: p.get("head_dim") == 64 and p.get("v_fmt") != "e4m3"  # noqa: E731
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -55,11 +59,17 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
-    # bwd_own_dq (2026-12-02, twelfth session): each consumer warpgroup its own dQ partial over its 64 keys (no barrier
-    # joins the warpgroups inside a tile); bf16 and the BF16-dS routes, non-deterministic
-    "owndq": dict(over={"bwd_own_dq": True},
-                  when=lambda p: not p.get("deterministic") and (p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16"),
-                  note="each warpgroup its own dQ over its 64 keys, no cross-warpgroup barrier in a tile"),
+    # bwd_dq_writers (2026-12-02, twelfth session; default 2 for the BF16 tile at D = 64, else 1): the other count, as an
+    # A/B copy against the default
+    "dqw2": dict(over={"bwd_dq_writers": 2},
+                 when=lambda p: _dq_writer(p) and not _two_writers(p),
+                 note="two dQ writer warps (rows split between warps 1 and 2 of the producer warpgroup)"),
+    "dqw1": dict(over={"bwd_dq_writers": 1}, when=lambda p: _dq_writer(p) and _two_writers(p),
+                 note="one dQ writer warp (the kernel before 2026-12-02's second writer)"),
+    # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the
+    # consumers' wait for the next tile's Sᵀ, dPᵀ operands); the FP8 tiles (their stage is 32 KB)
+    "s3": dict(over={"stages": 3}, when=lambda p: p.get("v_fmt") == "e4m3" and p.get("stages") == 2,
+               note="3 Q/dO pipeline stages"),
     "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
                 when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
                 note="neither (the fp8_token backward of round 12)"),

@@ -46,8 +46,12 @@ def _constants(src: str) -> dict:
         m = re.search(rf"^{name} = (\d+)", src, re.M)
         if m:
             out[name] = int(m.group(1))
-    m = re.search(r"^DQ_WARP_THREADS = 128 \* (\d+) \+ 32", src, re.M)
-    out["threads"] = 128 * int(m.group(1)) + 32 if m else None
+    m = re.search(r"^DQ_WRITERS = (\d+)", src, re.M)
+    out["writers"] = int(m.group(1)) if m else 1
+    m = re.search(r"^DQ_WARP_THREADS = 128 \* (\d+) \+ 32( \* DQ_WRITERS)?  #", src, re.M)
+    out["threads"] = 128 * int(m.group(1)) + 32 * (out["writers"] if m.group(2) else 1) if m else None
+    if m:
+        assert (m.group(2) is not None) == (out["writers"] > 1)
     return out
 
 
@@ -67,7 +71,8 @@ def test_protocol_read_from_the_kernel(v):
     src = render_variant(v)
     c = _constants(src)
     wg = _params(src)["compute_warpgroups"]
-    assert c["threads"] == 128 * wg + 32
+    nw = c["writers"]
+    assert c["threads"] == 128 * wg + 32 * nw and nw in (1, 2)
     full, empty = c["DQ_FULL_BAR"], c["DQ_EMPTY_BAR"]
     # distinct from every other named barrier of the kernel: 0 (CTA), 1 (consumers), 2 (det), 3 … 6 (square_32)
     assert len({full, empty}) == 2 and {full, empty}.isdisjoint({0, 1, 2, 3, 4, 5, 6}) and max(full, empty) < 16
@@ -105,9 +110,17 @@ def test_protocol_read_from_the_kernel(v):
     assert "qrow0 = m_block * self.tile_m - delta" in writer and "q_tok0 = base + m_block * self.tile_m" in writer
     assert "m_block * m - delta, base + m_block * m, head" in src  # one_tile's qrow0, q_tok0 arguments
     assert "if (qrow0 + r >= 0) & (qrow0 + r < doc_len):" in writer
-    # the writer runs on warp 1 of the producer warpgroup (after its register decrease)
+    # the writers run on warps 1 … nw of the producer warpgroup (after its register decrease), warp 0 loads
     kern = _between(src, "        if warp_idx < 4:", "        else:")
-    assert kern.index("setmaxregister_decrease") < kern.index("if warp_idx == 1:") < kern.index("self.dq_writer(")
+    head = "if warp_idx == 1:" if nw == 1 else "if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):"
+    assert kern.index("setmaxregister_decrease") < kern.index(head) < kern.index("self.dq_writer(")
+    # together the writer warps cover every row of the tile exactly once
+    loop = re.search(r"for j in cutlass\.range_constexpr\(self\.tile_m // (?:32|\(32 \* DQ_WRITERS\))\):\s+r = (.+?)(?:  #.*)?$",
+                     writer, re.M)
+    tile_m = _params(src)["tile_m"]
+    rows = [eval(loop.group(1), {"lane": lane, "wk": wk, "j": j, "DQ_WRITERS": nw})  # noqa: S307 (our render)
+            for wk in range(nw) for lane in range(32) for j in range(tile_m // (32 * nw))]
+    assert sorted(rows) == list(range(tile_m))
 
 
 _EVENTS = (("sync", "empty", "cute.arch.barrier(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)"),
@@ -161,7 +174,7 @@ def _programs(src: str):
     return cons_prog, pro, per
 
 
-@pytest.mark.parametrize("v", [v for v in BWD if v.route in ("fp8_token", "bf16") and v.param("head_dim") == 128
+@pytest.mark.parametrize("v", [v for v in BWD if v.route in ("fp8_token", "bf16")
                                and not dict(v.params).get("deterministic")], ids=lambda v: v.name)
 def test_protocol_model_never_deadlocks_and_never_overlaps(v):
     """Named barriers as the hardware counts them (a generation completes when count arrivals are in; bar.sync blocks
@@ -173,22 +186,27 @@ def test_protocol_model_never_deadlocks_and_never_overlaps(v):
     cons_tile, writer_pro, writer_tile = _programs(src)
     assert cons_tile == [("sync", "empty"), ("write", None), ("arrive", "full")]
     assert writer_pro == [("arrive", "empty")] and writer_tile == [("sync", "full"), ("read", None), ("arrive", "empty")]
+    c = _constants(src)
     for seed in range(300):
-        _simulate(cons_tile, writer_pro, writer_tile, _constants(src)["threads"], seed)
+        _simulate(cons_tile, writer_pro, writer_tile, c["threads"], seed, writers=c["writers"])
 
 
-def _simulate(cons_tile, writer_pro, writer_tile, threads: int, seed: int) -> None:
+def _simulate(cons_tile, writer_pro, writer_tile, threads: int, seed: int, writers: int = 1,
+              consumers: int | None = None) -> None:
+    """The consumers (acting together) and `writers` writer warps (each on its own) run their programs; each writer warp
+    reads its share of every tile after the consumers wrote it and before they write the next one."""
     rnd = random.Random(seed)
     tiles = rnd.randint(1, 6)
-    n = {"c": threads - 32, "w": 32}
-    prog = {"c": cons_tile * tiles, "w": writer_pro + writer_tile * tiles}
+    ws = [f"w{k}" for k in range(writers)]
+    n = {"c": threads - 32 * writers if consumers is None else consumers, **dict.fromkeys(ws, 32)}
+    prog = {"c": cons_tile * tiles, **{w: writer_pro + writer_tile * tiles for w in ws}}
     count = {"full": 0, "empty": 0}  # arrivals of the open generation
     gen = {"full": 0, "empty": 0}  # completed generations
-    pc = {"c": 0, "w": 0}
-    waiting = {"c": None, "w": None}  # (barrier, generation) a blocked sync waits for
-    sdq = []
-    while pc["c"] < len(prog["c"]) or pc["w"] < len(prog["w"]):
-        runnable = [who for who in ("c", "w") if pc[who] < len(prog[who])
+    pc = dict.fromkeys(n, 0)
+    waiting = dict.fromkeys(n)  # (barrier, generation) a blocked sync waits for
+    written, read = 0, dict.fromkeys(ws, 0)
+    while any(pc[who] < len(prog[who]) for who in n):
+        runnable = [who for who in n if pc[who] < len(prog[who])
                     and (waiting[who] is None or gen[waiting[who][0]] > waiting[who][1])]
         assert runnable, f"deadlock at {pc}"
         who = rnd.choice(runnable)
@@ -207,11 +225,15 @@ def _simulate(cons_tile, writer_pro, writer_tile, threads: int, seed: int) -> No
             if op == "sync" and gen[bar] == g:
                 waiting[who] = (bar, g)
                 continue
+        elif op == "write":
+            assert all(r == written for r in read.values()), f"tile {written} written over unread rows"
+            written += 1
         else:
-            sdq.append(op)
+            assert read[who] == written - 1, f"{who} read tile {read[who]} before it was written"
+            read[who] += 1
         pc[who] += 1
-    assert sdq == ["write", "read"] * tiles, sdq
-    assert count == {"full": 0, "empty": 32}
+    assert written == tiles and all(r == tiles for r in read.values())
+    assert count == {"full": 0, "empty": 32 * writers}
 
 
 def test_protocol_model_catches_planted_errors():
@@ -219,16 +241,21 @@ def test_protocol_model_catches_planted_errors():
     its copies (the consumers may then overwrite rows not yet read)."""
     cons = [("sync", "empty"), ("write", None), ("arrive", "full")]
     tile = [("sync", "full"), ("read", None), ("arrive", "empty")]
-    with pytest.raises(AssertionError, match="deadlock"):
-        _simulate(cons, [], tile, 288, 0)
-    early = [("sync", "full"), ("arrive", "empty"), ("read", None)]
-    fails = 0
-    for seed in range(50):
-        try:
-            _simulate(cons, [("arrive", "empty")], early, 288, seed)
-        except AssertionError:
-            fails += 1
-    assert fails > 0
+    for writers in (1, 2):
+        threads = 256 + 32 * writers
+        with pytest.raises(AssertionError, match="deadlock"):
+            _simulate(cons, [], tile, threads, 0, writers)
+        early = [("sync", "full"), ("arrive", "empty"), ("read", None)]
+        fails = 0
+        for seed in range(50):
+            try:
+                _simulate(cons, [("arrive", "empty")], early, threads, seed, writers)
+            except AssertionError:
+                fails += 1
+        assert fails > 0
+    # a barrier count that leaves out the second writer warp (256 consumers + 32): a generation overruns
+    with pytest.raises(AssertionError, match="overran"):
+        _simulate(cons, [("arrive", "empty")], tile, 288, 3, writers=2, consumers=256)
 
 
 def test_every_backward_experiment_changes_the_kernel_it_copies():
@@ -241,7 +268,7 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
         src = src.replace(name, "NAME")
         return src[src.index("# Runtime call signature"):]
 
-    bwd, _ = bx.base_variants()
+    bwd = bx.base_variants()[0] + bx.base_variants(head_dim=64)[0]
     base = {v.name: v for v in bwd}
     seen = set()
     for tag, v in experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS):
@@ -250,7 +277,19 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
         b = base[bx.split_name(v.name, bx.EXPERIMENTS)[0]]
         assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
         seen.add(tag)
-    assert {"nodqwarp", "noqperm", "r12"} <= seen
+    assert {"nodqwarp", "noqperm", "r12", "dqw1", "dqw2", "s3"} <= seen
+
+
+def test_two_writer_warps_where_one_was_the_limit():
+    """bwd_dq_writers: 2 for the BF16 tile (V not E4M3: the bf16 route) at D = 64 with the writer warp, else 1 (no key
+    rendered); a count other than 1 or 2 refuses to render."""
+    for v in BWD:
+        p = _params(render_variant(v))
+        want = 2 if (p.get("bwd_dq_warp") and p["head_dim"] == 64 and p["v_fmt"] != "e4m3") else None
+        assert p.get("bwd_dq_writers") == want, v.name
+    v = next(x for x in BWD if x.route == "fp8_token" and not dict(x.params).get("deterministic"))
+    with pytest.raises(Exception, match="bwd_dq_writers_must_be_1_or_2"):
+        _render(v, bwd_dq_writers=3)
 
 
 @pytest.mark.compile
@@ -263,145 +302,3 @@ def test_compile_dq_warp(compile_sm90):
     assert re.search(r"bar\.sync\s+7, 288", ptx) or re.search(r"barrier\.sync(\.aligned)?\s+7, 288", ptx)
     assert re.search(r"bar(rier\.cta)?\.arrive(\.aligned)?\s+8, 288", ptx)
 
-
-# ---- bwd_own_dq (experiment flag, off by default): each consumer warpgroup its own dQ partial and staging tile ----
-
-OWN_ROUTES = ("bf16", "fp8_pv")
-
-
-def _own_variants():
-    return [v for v in BWD if v.route in OWN_ROUTES and not dict(v.params).get("deterministic")]
-
-
-@pytest.mark.parametrize("v", _own_variants(), ids=lambda v: v.name)
-def test_own_dq_renders_per_warpgroup_barriers_and_staging(v):
-    src = _render(v, bwd_own_dq=True)
-    p = _params(src)
-    assert p.get("bwd_own_dq") is True and p["compute_warpgroups"] == 2
-    c = _constants(src)
-    assert re.search(r"^DQ_WARP_THREADS = 128 \+ 32$", src, re.M) and re.search(r"^DQ_BUFS = 2\b", src, re.M)
-    assert re.search(r"^OWN_DS_BAR0 = 3\b", src, re.M)
-    # ids: warpgroup w's pair DQ_FULL_BAR + 2w, DQ_EMPTY_BAR + 2w and dS barrier 3 + w: all distinct, none is 0, 1, 2
-    ids = {c["DQ_FULL_BAR"], c["DQ_EMPTY_BAR"], c["DQ_FULL_BAR"] + 2, c["DQ_EMPTY_BAR"] + 2, 3, 4}
-    assert len(ids) == 6 and ids.isdisjoint({0, 1, 2}) and max(ids) < 16
-    tile = _between(src, "    def one_tile(", "        return q_state")
-    # no barrier of both warpgroups left inside a tile
-    assert "barrier_id=1," not in tile
-    # order inside a tile: dS stored, own dS barrier, dQ slice 0, its wait, EMPTY, staged, slice 1, wait, staged, FULL
-    marks = ["dst[i] = rdS[i]", "cute.arch.barrier(barrier_id=OWN_DS_BAR0 + wg, number_of_threads=128)",
-             "self.gemm_k(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrK, wg * nkw, nkw)",
-             "warpgroup.wait_group(0)",
-             "cute.arch.barrier(barrier_id=DQ_EMPTY_BAR + 2 * wg, number_of_threads=DQ_WARP_THREADS)",
-             "cute.autovec_copy(v2, dst2)",
-             "self.gemm_k(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrK1, wg * nkw, nkw)",
-             "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR + 2 * wg, number_of_threads=DQ_WARP_THREADS)"]
-    pos, at = [], 0
-    for mk in marks:
-        at = tile.index(mk, at)
-        pos.append(at)
-    # sdS has one buffer: the only stores of dS come before this tile's EMPTY sync, so the next tile's come after it,
-    # and every thread of the warpgroup reaches EMPTY only after waiting for its dQ wgmma (which read sdS)
-    assert tile.count("dst[i] = rdS[i]") == 1 and "bufs[0] = 1 - buf" not in tile
-    assert "make_smem_layout(" in src and ", (m, n), 1)" in src
-    # the staging tile of warpgroup w: rows w·m … of sdQ, made right after its EMPTY sync
-    assert "sdQ = cute.make_tensor(sdQ.iterator + wg * m * DQ_LD, sdQ.layout)" in tile
-
-
-def _own_programs(src: str):
-    """(warpgroup program per tile, writer prologue, writer program per tile) of the own-dQ kernel, each event with its
-    staging tile (warpgroup w's own is 'w'; the writer's loop over w is unrolled)."""
-    tile = _between(src, "    def one_tile(", "        return q_state")
-    cons = []
-    for line in tile.splitlines():
-        s = line.strip()
-        if s.startswith("cute.arch.barrier(barrier_id=DQ_EMPTY_BAR + 2 * wg"):
-            cons.append(("sync", "empty"))
-        elif s.startswith("cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR + 2 * wg"):
-            cons.append(("arrive", "full"))
-        elif s.startswith("cute.autovec_copy(v2, dst2)") and cons[-1] != ("write", None):
-            cons.append(("write", None))
-    writer = _between(src, "    def dq_writer(", "    # Consumer warpgroups")
-    pro_src = writer[:writer.index("while unit < num_units")]
-    assert "for w in cutlass.range_constexpr(DQ_BUFS):" in pro_src
-    pro = [("arrive", "empty", w) for w in range(2)]
-    loop = writer[writer.index("for mi in cutlass.range(m_hi - m_lo, unroll=1):"):]
-    first = loop[loop.index("for w in cutlass.range_constexpr(DQ_BUFS):"):]
-    second = first[first.index("cute.arch.cp_async_bulk_commit_group()"):]
-    assert "cute.arch.barrier(barrier_id=DQ_FULL_BAR + 2 * w" in first[:first.index("bulk_reduce_add_f32(")]
-    assert "sdQ.iterator + (w * self.tile_m + r) * DQ_LD" in first
-    assert re.search(r"cp_async_bulk_wait_group\(DQ_BUFS - 1 - w, read=True\)\s+cute\.arch\.barrier_arrive\("
-                     r"barrier_id=DQ_EMPTY_BAR \+ 2 \* w", second)
-    per = [("sync", "full", 0), ("read", None, 0), ("sync", "full", 1), ("read", None, 1),
-           ("arrive", "empty", 0), ("arrive", "empty", 1)]
-    return cons, pro, per
-
-
-@pytest.mark.parametrize("v", _own_variants()[:2], ids=lambda v: v.name)
-def test_own_dq_protocol_model(v):
-    src = _render(v, bwd_own_dq=True)
-    cons, pro, per = _own_programs(src)
-    assert cons == [("sync", "empty"), ("write", None), ("arrive", "full")]
-    for seed in range(300):
-        _simulate_own(cons, pro, per, seed)
-
-
-def _simulate_own(cons_tile, writer_pro, writer_tile, seed: int) -> None:
-    """Two warpgroups (128 threads each, own barrier pair and staging tile) and the writer (32), as `_simulate`."""
-    rnd = random.Random(seed)
-    tiles = rnd.randint(1, 6)
-    actors = {0: [(op, bar, 0) for op, bar in cons_tile] * tiles, 1: [(op, bar, 1) for op, bar in cons_tile] * tiles,
-              "w": writer_pro + writer_tile * tiles}
-    n = {0: 128, 1: 128, "w": 32}
-    count = {(b, w): 0 for b in ("full", "empty") for w in (0, 1)}
-    gen = dict.fromkeys(count, 0)
-    pc = dict.fromkeys(actors, 0)
-    waiting = dict.fromkeys(actors)
-    log = {0: [], 1: []}
-    while any(pc[a] < len(actors[a]) for a in actors):
-        runnable = [a for a in actors if pc[a] < len(actors[a])
-                    and (waiting[a] is None or gen[waiting[a][0]] > waiting[a][1])]
-        assert runnable, f"deadlock at {pc}"
-        a = rnd.choice(runnable)
-        if waiting[a] is not None:
-            waiting[a] = None
-            pc[a] += 1
-            continue
-        op, bar, w = actors[a][pc[a]]
-        if op in ("sync", "arrive"):
-            key = (bar, w)
-            count[key] += n[a]
-            assert count[key] <= 160, "a generation overran"
-            g = gen[key]
-            if count[key] == 160:
-                count[key] = 0
-                gen[key] += 1
-            if op == "sync" and gen[key] == g:
-                waiting[a] = (key, g)
-                continue
-        else:
-            log[w].append(op)
-        pc[a] += 1
-    assert log[0] == log[1] == ["write", "read"] * tiles, log
-    assert count == {("full", 0): 0, ("full", 1): 0, ("empty", 0): 32, ("empty", 1): 32}
-
-
-def test_own_dq_model_catches_a_shared_hand_back():
-    """A writer that hands a staging tile back before reading it lets a warpgroup overwrite unread rows."""
-    cons = [("sync", "empty"), ("write", None), ("arrive", "full")]
-    pro = [("arrive", "empty", 0), ("arrive", "empty", 1)]
-    early = [("sync", "full", 0), ("arrive", "empty", 0), ("read", None, 0), ("sync", "full", 1), ("read", None, 1),
-             ("arrive", "empty", 1)]
-    fails = 0
-    for seed in range(60):
-        try:
-            _simulate_own(cons, pro, early, seed)
-        except AssertionError:
-            fails += 1
-    assert fails > 0
-
-
-def test_own_dq_is_off_by_default_and_not_for_amax_tiles():
-    for v in BWD:
-        assert "bwd_own_dq" not in _params(render_variant(v)), v.name
-    fp8 = next(v for v in BWD if v.route == "fp8_token" and not dict(v.params).get("deterministic"))
-    assert "bwd_own_dq" not in _params(_render(fp8, bwd_own_dq=True))  # a row amax over both warpgroups' keys
