@@ -47,9 +47,16 @@ def test_unknown_impl_and_mode(no_cuda):
     assert r.exit_code == 2 and "--repeats" in _all_output(r)
 
 
+def test_bwd_mode_is_accepted(no_cuda):
+    """--mode bwd parses (it then stops at the missing GPU, like the other modes)."""
+    r = CliRunner().invoke(bench_command, ["--mode", "bwd"])
+    assert r.exit_code == 2 and NO_CUDA_MESSAGE in _all_output(r)
+
+
 def test_help_lists_options():
     r = CliRunner().invoke(bench_command, ["--help"])
     assert r.exit_code == 0
+    assert "bwd: the backward call alone" in " ".join(r.output.split())
     for opt in ("--workloads", "--impls", "--mode", "--out", "--repeats", "--accuracy",
                 "--no-accuracy"):
         assert opt in r.output
