@@ -38,7 +38,7 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
-_two_writers = lambda p: p.get("head_dim") == 64 and p.get("v_fmt") != "e4m3"  # noqa: E731
+_two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
