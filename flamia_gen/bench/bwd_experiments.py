@@ -59,7 +59,7 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
-    # bwd_dq_writers (2026-12-02, twelfth session; default 2 for the BF16 tile at D = 64, else 1): the other count, as an
+    # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64, 1 at D = 128): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},
                  when=lambda p: _dq_writer(p) and not _two_writers(p),
