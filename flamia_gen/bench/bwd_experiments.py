@@ -38,7 +38,7 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
-_two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
+_two_writers = lambda p: p.get("head_dim") == 64 and p.get("v_fmt") != "e4m3"  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
@@ -59,7 +59,7 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
-    # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64, 1 at D = 128): the other count, as an
+    # bwd_dq_writers (2026-12-02, twelfth session; default 2 for the bf16 route at D = 64, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},
                  when=lambda p: _dq_writer(p) and not _two_writers(p),
