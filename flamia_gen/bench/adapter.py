@@ -118,17 +118,17 @@ class Adapter:
         # so the caller's tensors are untouched and nothing accumulates in .grad.
         sets = [tuple(t.detach().requires_grad_(True) for t in s) for s in inputs]
         d_out = fixed_grad_output(sets[0][0])
-        cyc = itertools.cycle(sets)
 
         if mode == "bwd":
-            graphs = [(f(*s), s) for s in sets]  # the forwards, once, untimed
-            cyc_g = itertools.cycle(graphs)
+            graphs = itertools.cycle([(f(*s), s) for s in sets])  # the forwards, once, untimed
 
             def bwd_call():
-                o, s = next(cyc_g)
+                o, s = next(graphs)
                 return torch.autograd.grad(o, s, d_out, retain_graph=True)
 
             return bwd_call
+
+        cyc = itertools.cycle(sets)
 
         def train_call():
             q, k, v = next(cyc)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from .adapter import MODES
+
 
 def kernel_times(fn, calls: int = 3) -> tuple[list[tuple[str, float, int]], float]:
     """([(kernel name, µs per call, launches per call)] sorted by time, wall ms per call) of `fn`."""
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="tiny131072x1")
     ap.add_argument("--impls", default="flamia_bf16,flamia_fp8_token")
-    ap.add_argument("--mode", default="train", choices=("fwd", "bwd", "train"))
+    ap.add_argument("--mode", default="train", choices=MODES)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args(argv)

@@ -54,8 +54,7 @@ EXPERIMENTS: dict[str, dict] = {
                   note="dQ partial: one TMA tensor reduce-add per tile"),
     # bwd_dq_warp and bwd_q_row_perm (on since 2026-12-02, eleventh session; H200: bitwise equal, fp8_token −9 … −10 %,
     # bf16 −3 … −5 %): the kernels without them, as A/B copies against the new defaults
-    "nodqwarp": dict(over={"bwd_dq_warp": False},
-                     when=lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor",
+    "nodqwarp": dict(over={"bwd_dq_warp": False}, when=_dq_writer,
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),

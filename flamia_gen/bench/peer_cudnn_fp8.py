@@ -205,6 +205,16 @@ class _Runner:
             pass
 
 
+def _quantized_sets(r: _Runner, inputs, d_out):
+    """(FP8 (codes, scale, descale) triples of every input set, dO's triple or None): quantized once, outside the
+    timed calls; with a dO, one backward with unit scales first sets the backward's scales (`calibrate`)."""
+    sets = [tuple(r.quantize(list(s))) for s in inputs]
+    dos = r.quantize([d_out])[0] if d_out is not None else None
+    if dos is not None:
+        r.calibrate(*sets[0], dos)
+    return sets, dos
+
+
 def _skip_from(exc: BaseException, what: str) -> PeerSkip:
     text = " ".join(str(exc).split())[:300] or type(exc).__name__
     return PeerSkip(f"cuDNN FP8 {what} failed: {type(exc).__name__}: {text}")
@@ -296,11 +306,7 @@ class CudnnFp8Adapter(Adapter):
             if mode == "bwd":
                 call = self._bwd_call(r, inputs, d_out, out_dtype)
             elif self.flavour == "kernel":
-                # Quantized once, outside the timed region.
-                sets = [tuple(r.quantize(list(s))) for s in inputs]
-                dos = r.quantize([d_out])[0] if train else None
-                if train:
-                    r.calibrate(*sets[0], dos)
+                sets, dos = _quantized_sets(r, inputs, d_out)  # once, outside the timed region
                 cyc = itertools.cycle(sets)
 
                 def call():
@@ -346,9 +352,7 @@ class CudnnFp8Adapter(Adapter):
         statistics kept); a call runs what the flavour's train call runs after the forward:
         dO's quantization (quant, e2e), the backward graph, the conversion of dQ, dK, dV
         (e2e) and the delayed-scaling update (quant, e2e)."""
-        sets = [tuple(r.quantize(list(s))) for s in inputs]
-        dos_fixed = r.quantize([d_out])[0]
-        r.calibrate(*sets[0], dos_fixed)
+        sets, dos_fixed = _quantized_sets(r, inputs, d_out)
         saved = []
         for qs, ks, vs in sets:
             descale_o = r.forward(qs, ks, vs)

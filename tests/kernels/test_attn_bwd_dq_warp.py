@@ -290,6 +290,10 @@ def test_two_writer_warps_where_one_was_the_limit():
     v = next(x for x in BWD if x.route == "fp8_token" and not dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="bwd_dq_writers_must_be_1_or_2"):
         _render(v, bwd_dq_writers=3)
+    # a tile the writer warps cannot split into whole 32-row shares refuses to render (its rows would not be copied)
+    with pytest.raises(Exception, match="tile_m_must_be_a_multiple_of_32_per_dq_writer_warp"):
+        _render(v, bwd_dq_writers=2, tile_m=32)
+    assert '"bwd_dq_writers": 2' in _render(v, bwd_dq_writers=2)
 
 
 @pytest.mark.compile
