@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, build_variants_bundle, experiment_cli, experiment_table,
+from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, wl_key, build_variants_bundle, experiment_cli, experiment_table,
                               experiment_variants, matches_any, print_experiments, run_entries,  # noqa: F401
                               run_exit_code, select_entries, split_name, split_tags)
 
@@ -38,7 +38,9 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
-_two_writers = lambda p: p.get("head_dim") == 64 and p.get("v_fmt") != "e4m3"  # noqa: E731
+_two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
+# the template's BWD_PERSISTENT_DEFAULT, negated: no ordered dQ, no tensor-scaled dS (two launches), no 32×32-block dS
+_one_cta_per_unit = lambda p: not p.get("deterministic") and p.get("ds_gran") not in ("tensor", "square_32")  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
@@ -58,7 +60,7 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
-    # bwd_dq_writers (2026-12-02, twelfth session; default 2 for the bf16 route at D = 64, else 1): the other count, as an
+    # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},
                  when=lambda p: _dq_writer(p) and not _two_writers(p),
@@ -69,6 +71,15 @@ EXPERIMENTS: dict[str, dict] = {
     # consumers' wait for the next tile's Sᵀ, dPᵀ operands); the FP8 tiles (their stage is 32 KB)
     "s3": dict(over={"stages": 3}, when=lambda p: p.get("v_fmt") == "e4m3" and p.get("stages") == 2,
                note="3 Q/dO pipeline stages"),
+    # one CTA per unit with the KV heads in sections of 2 (bwd_persistent off, bwd_head_section 2: the default since
+    # 2026-12-02, thirteenth session, where the schedule allows; measured as tags np, nph1, nph2, ph2 in
+    # docs/results/bwd_experiments_sched-h200-2026-12-02.json): the kernel before, and the other section sizes
+    "pers": dict(over={"bwd_persistent": True, "bwd_head_section": 0}, when=_one_cta_per_unit,
+                 note="persistent CTAs, item-major units (the kernel before 2026-12-02's one CTA per unit)"),
+    "hs0": dict(over={"bwd_head_section": 0}, when=_one_cta_per_unit,
+                note="one CTA per unit, item-major (every KV head of an item in turn)"),
+    "hs1": dict(over={"bwd_head_section": 1}, when=_one_cta_per_unit,
+                note="one CTA per unit, head-major (a KV head's units longest-first, then the next head's)"),
     "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
                 when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
                 note="neither (the fp8_token backward of round 12)"),
@@ -187,7 +198,7 @@ def time_entry(b, entry, doc_lens, heads=16, iters=20) -> float:
 
 
 def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True, iters=20, json_out=None,
-        causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
+        causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S, variant_globs=()) -> list[dict]:
     from ..bench.flops import attention_flops
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import verify_bwd_entry
@@ -205,11 +216,29 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
         for docs in workloads:
             ms = time_entry(b, e, docs, iters=iters)
             fl = attention_flops(list(docs), 16, e["params"]["head_dim"], causal=e["params"]["causal"], mode="bwd")
-            row[f"{len(docs)}x{docs[0]}"] = ms
-            row[f"{len(docs)}x{docs[0]}_tflops"] = fl / (ms * 1e-3) / 1e12
+            row[wl_key(docs)] = ms
+            row[f"{wl_key(docs)}_tflops"] = fl / (ms * 1e-3) / 1e12
 
-    return run_entries(select_entries(b, "attn_bwd", only, causal_only, EXPERIMENTS), measure, _fmt_row, table,
+    return run_entries(select_entries(b, "attn_bwd", only, causal_only, EXPERIMENTS, variant_globs), measure, _fmt_row, table,
                        workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout)
+
+
+def parse_doc_rows(text: str) -> tuple[tuple[int, ...], ...]:
+    """"4x4096,1x16384,8192+224x256" → ((4096,) * 4, (16384,), (8192,) + (256,) * 224): each row a '+'-joined list
+    of `N x L` (N documents of L tokens) or `L` terms."""
+    rows = []
+    for raw in text.split(","):
+        docs: list[int] = []
+        for term in raw.strip().split("+"):
+            n, _, length = term.strip().rpartition("x")
+            try:
+                docs += [int(length)] * (int(n) if n else 1)
+            except ValueError:
+                raise SystemExit(f"--workloads: {raw!r} is not a row like 4x4096 or 8192+224x256") from None
+        if not docs or min(docs) < 1:
+            raise SystemExit(f"--workloads: {raw!r} has no documents")
+        rows.append(tuple(docs))
+    return tuple(rows)
 
 
 def _fmt_row(row, workloads) -> str:
@@ -239,8 +268,11 @@ def table(rows, workloads) -> str:
 
 
 def main(argv=None) -> int:
-    ap, bp, _ = experiment_cli("python -m flamia_gen.bench.bwd_experiments", __doc__, ".dev/bundle-bexp",
+    ap, bp, rp = experiment_cli("python -m flamia_gen.bench.bwd_experiments", __doc__, ".dev/bundle-bexp",
                                DEFAULT_EXPERIMENTS, "GPU: verify, compare and time every backward variant of the bundle")
+    rp.add_argument("--variants", default="", help="comma-separated name globs of the base variants to run")
+    rp.add_argument("--workloads", default="4x4096,1x16384",
+                    help="comma-separated rows of documents, e.g. 4x4096,1x16384,8192+224x256")
     bp.add_argument("--candidates", default="", help="comma-separated routes no family lists yet (built and run "
                     "like the others, e.g. fp8_token_bf16qk)")
     a = ap.parse_args(argv)
@@ -251,7 +283,8 @@ def main(argv=None) -> int:
                   variant_globs=split_tags(a.variants))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
-               causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)
+               causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
+               workloads=parse_doc_rows(a.workloads), variant_globs=split_tags(a.variants))
     return run_exit_code(rows)
 
 

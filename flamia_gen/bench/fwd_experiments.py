@@ -140,10 +140,12 @@ def split_name(name: str, experiments=None) -> tuple[str, str]:
     return name, ""
 
 
-def select_entries(b, kind: str, only, causal_only: bool, experiments=None) -> list[dict]:
-    """The bundle's `kind` variants, narrowed to the experiment tags in `only` ("" = defaults) and, with
-    `causal_only`, to causal ones."""
+def select_entries(b, kind: str, only, causal_only: bool, experiments=None, variant_globs=()) -> list[dict]:
+    """The bundle's `kind` variants, narrowed to the experiment tags in `only` ("" = defaults), to those whose base
+    name matches one of `variant_globs` (none: all) and, with `causal_only`, to causal ones."""
     entries = [e for _, e in sorted(b.variants.items()) if e["kind"] == kind]
+    if variant_globs:
+        entries = [e for e in entries if matches_any(split_name(e["name"], experiments)[0], variant_globs)]
     if only:
         keep = set(only)
         entries = [e for e in entries if split_name(e["name"], experiments)[1] in keep]
@@ -206,7 +208,7 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             row["probe"] = max(pr) if pr else None
         for docs in workloads:
             t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
-            row[f"{len(docs)}x{docs[0]}"] = t["tflops"]
+            row[wl_key(docs)] = t["tflops"]
 
     return run_entries(select_entries(b, "attn_fwd", only, causal_only), measure, _fmt_row, table, workloads,
                        json_out, entry_timeout=entry_timeout)
@@ -245,8 +247,18 @@ def finish(rows: list[dict], table_text: str, json_out) -> list[dict]:
     return rows
 
 
+def wl_key(docs) -> str:
+    """A row's documents as the bench names them: "4x4096" (equal lengths), "8192+224x256" (one, then equal ones)."""
+    d = list(docs)
+    if len(set(d)) == 1:
+        return f"{len(d)}x{d[0]}"
+    if len(set(d[1:])) == 1:
+        return f"{d[0]}+{len(d) - 1}x{d[1]}"
+    return "+".join(map(str, d))
+
+
 def _wl_keys(workloads):
-    return [f"{len(d)}x{d[0]}" for d in workloads]
+    return [wl_key(d) for d in workloads]
 
 
 def _fmt_row(row, workloads) -> str:

@@ -60,6 +60,18 @@ def packed_runtime(cache: BuildCache) -> tuple[Path, str]:
     return out, digest
 
 
+# PARAMS keys that name the variant rather than describe its kernel (the manifest entry has them already)
+_IDENTITY_PARAMS = frozenset({"name", "arch", "cute_arch", "kind", "route", "spec_hash", "flamia_version"})
+
+
+def kernel_params(v: Variant, source: str) -> dict:
+    """A manifest entry's params: the plan's, plus what the compiled module's PARAMS add — the template's defaults
+    (flags such as k_row_perm, bwd_q_row_perm, bwd_head_section) that the runtime reads to call the kernel as it was
+    built. The plan's values win; the two never disagree on a key both have (tests/build/test_build_bundle.py)."""
+    rendered = _module_literal(source, "PARAMS")
+    return {**{k: x for k, x in rendered.items() if k not in _IDENTITY_PARAMS}, **dict(v.params)}
+
+
 def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: list[BuildResult],
                  cache: BuildCache) -> dict:
     """Copy the built variants and the packed runtime into `out_dir`; write the manifest
@@ -86,7 +98,7 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
             "spec_hash": v.spec_hash,
             "source_sha256": hashlib.sha256(r.source.encode()).hexdigest(),  # what was compiled
             "uses": list(v.uses),
-            "params": dict(v.params),
+            "params": kernel_params(v, r.source),
             "args": _module_literal(r.source, "ARGS"),
         })
     rt_xz, rt_sha256 = packed_runtime(cache)

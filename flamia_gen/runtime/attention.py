@@ -448,14 +448,18 @@ def token_copy_do_delta(root: str, route: str, d: int, profile) -> dict:
                         f"route, token-block dO); bundle a route whose dO is per-token {p['fmt']} (fp8_token) too")
 
 
-def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool):
+def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool, hkv: int = 1):
     """The backward's schedule (documents and windows, longest-first key-tile work list, per-token
     document bounds, dQ tile offsets: runtime.attn_bwd.bwd_schedule), cached (`_cached_work`).
-    No windows for a square_32 dS (`attn_bwd.bwd_windows`)."""
+    No windows for a square_32 dS (`attn_bwd.bwd_windows`); a `bwd_head_section` variant's unit list
+    carries the KV heads (`hkv`)."""
     from .attn_bwd import bwd_schedule, bwd_windows
 
     tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]
     align = kernel_key_align(fp8)
     win = bwd_windows(params)
-    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align, win),
-                        lambda: bwd_schedule(cu, tile_m, tile_n, causal, key_align=align, T=T, windows=win))
+    hsec = int(params.get("bwd_head_section", 0))
+    hkv = hkv if hsec else 1
+    return _cached_work(cu, ("bwd", T, tile_m, tile_n, causal, align, win, hkv, hsec),
+                        lambda: bwd_schedule(cu, tile_m, tile_n, causal, key_align=align, T=T, windows=win,
+                                             hkv=hkv, head_section=hsec))

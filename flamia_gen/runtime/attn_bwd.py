@@ -107,6 +107,45 @@ def make_work_list(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: b
     return longest_first(nkt, num_work(T, nkt.numel(), tile_n), cost)
 
 
+def num_window_items(T: int, tile_n: int) -> int:
+    """Static upper bound on the work items of a schedule WITH windows, whatever the document count: every pseudo-
+    document (a window, < 2·tile_n tokens, at most one per tile_n chunk; or a document of ≥ tile_n tokens, at most
+    T // tile_n) has ceil((len + delta) / tile_n) < len / tile_n + 2 key tiles (delta < 16 ≤ tile_n), and the lengths
+    sum to T: fewer than T / tile_n + 2·(ceil(T / tile_n) + T // tile_n) ≤ 5·ceil(T / tile_n) items. (`num_work`
+    grows with the document count: 131072 one-token documents give ~2.6·10⁵ rows, almost all padding.)"""
+    return 5 * -(-T // tile_n)
+
+
+def num_units(T: int, num_docs: int, tile_n: int, hkv: int, windows: bool = True) -> int:
+    """Rows of a `bwd_head_section` variant's unit list: (work rows kept) × hkv. With windows the work list is cut to
+    `num_window_items` rows first (only padding goes: the real items never exceed it), so a one-CTA-per-unit launch
+    does not start a CTA per padding row of a many-document row."""
+    nw = num_work(T, num_docs, tile_n)
+    return (min(nw, num_window_items(T, tile_n)) if windows else nw) * hkv
+
+
+def head_units(work: torch.Tensor, hkv: int, section: int) -> torch.Tensor:
+    """int32 (NUM_WORK·HKV, 4) unit list (doc, n_block, window, KV head) of a `bwd_head_section` variant, on work's
+    device, no host sync: the KV heads in sections of `section` heads, a section's units item-major in `work`'s
+    (longest-first) order with its heads inner, padding rows (doc < 0) after every real one. The CTAs that run at
+    once then share the Q, dO and dQ rows of few heads in L2 (FA3's backward swizzles heads by its L2 size for the
+    same reason); section ≥ HKV is `work`'s item-major order. Each head's items keep `work`'s order: the
+    deterministic mode's ordering argument (key tiles of a document in increasing n) holds per head."""
+    if work.dim() != 2 or work.shape[1] != 3:
+        raise ValueError(f"work: expected (NUM_WORK, 3), got {tuple(work.shape)}")
+    if hkv < 1 or section < 1:
+        raise ValueError(f"hkv, section: must be ≥ 1, got {hkv}, {section}")
+    nw, dev = work.shape[0], work.device
+    s = min(section, hkv)
+    h = torch.arange(hkv, device=dev, dtype=torch.int64)
+    item = torch.arange(nw, device=dev, dtype=torch.int64)
+    key = ((h // s)[:, None] * nw + item[None, :]) * s + (h % s)[:, None]  # (hkv, nw), distinct
+    key = key + (work[:, 0] < 0).to(torch.int64)[None, :] * (hkv * nw * s)  # padding last
+    rows = torch.cat([work.unsqueeze(0).expand(hkv, nw, 3),
+                      h.to(work.dtype)[:, None, None].expand(hkv, nw, 1)], dim=2).reshape(hkv * nw, 4)
+    return rows[torch.argsort(key.reshape(-1))].contiguous()
+
+
 class BwdSchedule(NamedTuple):
     """What the backward kernel is launched over: `cu` int32 (NUM_DOCS + 1) the work list's documents
     (real documents and windows, unused entries T), `work` int32 (NUM_WORK, 3) (doc of `cu`, n_block,
@@ -126,7 +165,7 @@ def bwd_windows(params: dict) -> bool:
 
 
 def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
-                 T: int | None = None, windows: bool = True) -> BwdSchedule:
+                 T: int | None = None, windows: bool = True, hkv: int = 1, head_section: int = 0) -> BwdSchedule:
     """The backward's documents (short ones merged into windows per tile_n chunk: `merge_windows`),
     longest-first work list, per-token document bounds and dQ tile offsets, on cu_seqlens' device
     without a host synchronisation once T is given.
@@ -134,7 +173,10 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
     `windows=False`: every document keeps its own key tiles (no windows; every work item's window flag
     is 0; `cu` is cu_seqlens itself as int32). Routes whose dS is scaled per 32×32 block (`ds_gran:
     square_32`) need it: a block of a window would share one amax across documents. The shapes and
-    dtypes are those of `windows=True` (NUM_WORK bounds both)."""
+    dtypes are those of `windows=True` (NUM_WORK bounds both).
+
+    `head_section` > 0 (a `bwd_head_section` variant's PARAMS): `work` is the (NUM_WORK·hkv, 4) unit list of
+    `head_units`, the KV head in its last column."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens: must be 1-D with at least 2 entries (num_docs + 1)")
     if T is None:
@@ -147,8 +189,12 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
         flag = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
         # row_doc does not depend on the chunk: merge_windows' own per-token bounds (one place computes them)
         row_doc = merge_windows(cu_seqlens, 1, T).row_doc
-    work = make_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T)
-    return BwdSchedule(cu, flag_windows(work, flag), row_doc, dq_tile_offsets(cu, tile_m, key_align))
+    work = flag_windows(make_work_list(cu, tile_m, tile_n, causal, key_align=key_align, T=T), flag)
+    if head_section > 0:
+        if windows:  # padding is last: the rows past the bound are padding (num_window_items)
+            work = work[:num_window_items(T, tile_n)]
+        work = head_units(work, hkv, head_section)
+    return BwdSchedule(cu, work, row_doc, dq_tile_offsets(cu, tile_m, key_align))
 
 
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
@@ -486,21 +532,24 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if T == 0:
         return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
     tile_m, tile_n = params["tile_m"], params["tile_n"]
+    hsec = int(params.get("bwd_head_section", 0))
     if schedule is None:
         schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T,
-                                windows=bwd_windows(params))
+                                windows=bwd_windows(params), hkv=HKV, head_section=hsec)
     else:
-        nw = num_work(T, cu_seqlens.numel() - 1, tile_n)
+        nd = cu_seqlens.numel() - 1
+        nw, ncol = ((num_units(T, nd, tile_n, HKV, bwd_windows(params)), 4) if hsec
+                    else (num_work(T, nd, tile_n), 3))
         for t, name in zip(schedule, BwdSchedule._fields):
             _need(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device == dev and t.is_contiguous(),
                   "schedule", f"{name}: expected a contiguous int32 tensor on {dev}, got "
                   f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '?')}")
         _need(tuple(schedule.cu.shape) == tuple(cu_seqlens.shape) and tuple(schedule.row_doc.shape) == (T, 2)
-              and tuple(schedule.work.shape) == (nw, 3)
+              and tuple(schedule.work.shape) == (nw, ncol)
               and tuple(schedule.dq_tile_off.shape) == tuple(cu_seqlens.shape), "schedule",
               f"built for other documents or tiles (cu {tuple(schedule.cu.shape)}, row_doc "
               f"{tuple(schedule.row_doc.shape)}, work {tuple(schedule.work.shape)}; expected "
-              f"{tuple(cu_seqlens.shape)}, ({T}, 2), ({nw}, 3))")
+              f"{tuple(cu_seqlens.shape)}, ({T}, 2), ({nw}, {ncol}))")
     by_name = {"lse": lse, "delta": delta, "cu_seqlens": schedule.cu, "row_doc": schedule.row_doc,
                "work": schedule.work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
@@ -552,5 +601,5 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
 __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
-           "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+           "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]

@@ -340,7 +340,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     # (with_delta): an exact route's comes from the per-token copy of dO (dP and D read it)
     do_entry = token_copy_do_delta(root, route, D, profile) if split_do else pick_do_delta(root, route, D, profile)
     if not fp8:
-        sched = bwd_schedule_cached(cu, T, params, fp8)
+        sched = bwd_schedule_cached(cu, T, params, fp8, k.shape[1])
         # bf16 route: nothing to quantize; its dO launch writes delta = rowsum(dO∘O) (HQ, T) fp32 and the
         # zeroed dq_accum in one pass (templates/common/do_delta_body.py.j2)
         dl = _quantize(b, do_entry, do, cu, o=o)
@@ -374,7 +374,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         ent["do_t"] = pick("do")  # dV = Pᵀ·dO: the route's own token-block dO (a plain launch)
     if params.get("diag_v"):
         diag = diag_v_inputs(b, bwd, v, cu, profile, fwd_params)
-    sched = bwd_schedule_cached(cu, T, params, fp8)
+    sched = bwd_schedule_cached(cu, T, params, fp8, k.shape[1])
     extra = {}
     if codes:
         # the forward's own codes (attention_fwd kept them: saves_codes)

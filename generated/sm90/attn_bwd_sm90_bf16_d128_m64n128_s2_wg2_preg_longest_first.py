@@ -61,6 +61,8 @@ PARAMS = {
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
+    "bwd_head_section": 2,
+    "bwd_persistent": False,
     "bwd_dq_warp": True,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
@@ -79,7 +81,7 @@ ARGS = [
     {"name": "delta", "dtype": "float32", "shape": ["HQ", "T"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
     {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
-    {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
+    {"name": "work", "dtype": "int32", "shape": ["NUM_UNITS", "4"], "role": "in"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "dq_accum", "dtype": "float32", "shape": ["T", "HQ", "D"], "role": "inout"},
     {"name": "dk", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
@@ -251,16 +253,24 @@ def quad_max_nan(x):
     return fmax_nan(x, cute.arch.shuffle_sync_bfly(x, offset=2))
 
 
+
+@dsl_user_op
+def exit_cta(*, loc=None, ip=None):
+    """PTX `exit`: the thread ends here. Taken by every thread of a CTA together (its unit is padding), before any
+    barrier is initialised or waited on."""
+    llvm.inline_asm(None, [], "exit;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 # ---------------------------------------------------------------------------------------
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.
 # ---------------------------------------------------------------------------------------
-class LongestFirstScheduler:
-    """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
-    Consecutive units are the KV heads of one item, so every head of the longest item starts first."""
+class StaticScheduler:
+    """One unit per CTA.
+    Units are the rows of the unit list (runtime.attn_bwd.head_units): KV heads in sections, longest-first in each."""
 
     @staticmethod
     def grid(num_units):
-        return cutlass.min(num_units, Int32(SM_COUNT))
+        return num_units
 
     @staticmethod
     def initial_unit():
@@ -269,8 +279,7 @@ class LongestFirstScheduler:
 
     @staticmethod
     def next_unit(unit, num_units):
-        gdim, _, _ = cute.arch.grid_dim()
-        return unit + Int32(gdim)
+        return num_units
 
     @staticmethod
     @cute.jit
@@ -278,8 +287,8 @@ class LongestFirstScheduler:
         """(doc, n_block, hkv, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
         document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
         short documents that the runtime merged (runtime.attn_bwd.bwd_schedule)."""
-        item = unit // HKV
-        hkv = unit - item * HKV
+        item = unit  # a unit list (runtime.attn_bwd.head_units): the KV head is the row's last column
+        hkv = mWork[item, 3]
         doc = mWork[item, 0]
         n_block = mWork[item, 1]
         window = mWork[item, 2]
@@ -435,8 +444,8 @@ class AttnBwdSm90:
 
         self.shared_storage = SharedStorage
         HKV = mK.shape[1]
-        num_units = mWork.shape[0] * HKV
-        grid_x = LongestFirstScheduler.grid(num_units)
+        num_units = mWork.shape[0]
+        grid_x = StaticScheduler.grid(num_units)
         scale_log2 = softmax_scale * Float32(LOG2E)
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q,
@@ -453,6 +462,10 @@ class AttnBwdSm90:
                mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+        # one CTA per unit: a padding unit (the unit list's tail: num_units bounds the real ones loosely, and a row of
+        # many short documents leaves most rows padding) ends its CTA before the set-up, so the next one starts
+        if mWork[StaticScheduler.initial_unit(), 0] < 0:
+            exit_cta()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -484,7 +497,7 @@ class AttnBwdSm90:
         pipeline.pipeline_init_wait()
 
         HKV = mK.shape[2]
-        num_units = mWork.shape[0] * HKV
+        num_units = mWork.shape[0]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
@@ -515,9 +528,9 @@ class AttnBwdSm90:
         lane = cute.arch.lane_idx()
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 k0 = base + n_block * self.tile_n
@@ -571,7 +584,7 @@ class AttnBwdSm90:
                         cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bq)
                         cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bq)
                         q_state.advance()
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -591,9 +604,9 @@ class AttnBwdSm90:
         group = HQ // HKV
         lane = cute.arch.lane_idx()
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 for hh in cutlass.range(group, unroll=1):
@@ -611,7 +624,7 @@ class AttnBwdSm90:
                         cute.arch.cp_async_bulk_commit_group()
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 # as the producer: only padding is left for this CTA
                 unit = num_units
@@ -675,9 +688,9 @@ class AttnBwdSm90:
         bufs[0] = Int32(0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
@@ -715,7 +728,7 @@ class AttnBwdSm90:
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
 
@@ -899,7 +912,7 @@ def compile_args():
     delta = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
     row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (nw, 4), stride_order=(1, 0), assumed_align=4)
     dq_accum = make_fake_compact_tensor(Float32, (t, hq, 128), stride_order=row_major3, assumed_align=16)
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 128), stride_order=row_major3, assumed_align=16)
     dv = make_fake_compact_tensor(BFloat16, (t, hkv, 128), stride_order=row_major3, assumed_align=16)

@@ -76,7 +76,10 @@ PARAMS = {
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
+    "bwd_head_section": 2,
+    "bwd_persistent": False,
     "bwd_dq_warp": True,
+    "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "d9d0dad80f8fefc6",
     "flamia_version": "0.1.0",
@@ -97,7 +100,7 @@ ARGS = [
     {"name": "delta", "dtype": "float32", "shape": ["HQ", "T"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
     {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
-    {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
+    {"name": "work", "dtype": "int32", "shape": ["NUM_UNITS", "4"], "role": "in"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "dq_accum", "dtype": "float32", "shape": ["T", "HQ", "D"], "role": "inout"},
     {"name": "dk", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
@@ -138,7 +141,8 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
 DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
 DQ_FULL_BAR = 7  # named barriers of the dQ writer warp (1: consumers' dS / amax; 2: det; 3 … 6: square_32 blocks)
 DQ_EMPTY_BAR = 8
-DQ_WARP_THREADS = 128 * 2 + 32  # the consumer warpgroups and the writer warp
+DQ_WRITERS = 2  # writer warps (bwd_dq_writers): warps 1 … DQ_WRITERS of the producer warpgroup
+DQ_WARP_THREADS = 128 * 2 + 32 * DQ_WRITERS  # the consumer warpgroups and the writer warps
 
 
 @dsl_user_op
@@ -269,16 +273,24 @@ def quad_max_nan(x):
     return fmax_nan(x, cute.arch.shuffle_sync_bfly(x, offset=2))
 
 
+
+@dsl_user_op
+def exit_cta(*, loc=None, ip=None):
+    """PTX `exit`: the thread ends here. Taken by every thread of a CTA together (its unit is padding), before any
+    barrier is initialised or waited on."""
+    llvm.inline_asm(None, [], "exit;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 # ---------------------------------------------------------------------------------------
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.
 # ---------------------------------------------------------------------------------------
-class LongestFirstScheduler:
-    """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
-    Consecutive units are the KV heads of one item, so every head of the longest item starts first."""
+class StaticScheduler:
+    """One unit per CTA.
+    Units are the rows of the unit list (runtime.attn_bwd.head_units): KV heads in sections, longest-first in each."""
 
     @staticmethod
     def grid(num_units):
-        return cutlass.min(num_units, Int32(SM_COUNT))
+        return num_units
 
     @staticmethod
     def initial_unit():
@@ -287,8 +299,7 @@ class LongestFirstScheduler:
 
     @staticmethod
     def next_unit(unit, num_units):
-        gdim, _, _ = cute.arch.grid_dim()
-        return unit + Int32(gdim)
+        return num_units
 
     @staticmethod
     @cute.jit
@@ -296,8 +307,8 @@ class LongestFirstScheduler:
         """(doc, n_block, hkv, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
         document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
         short documents that the runtime merged (runtime.attn_bwd.bwd_schedule)."""
-        item = unit // HKV
-        hkv = unit - item * HKV
+        item = unit  # a unit list (runtime.attn_bwd.head_units): the KV head is the row's last column
+        hkv = mWork[item, 3]
         doc = mWork[item, 0]
         n_block = mWork[item, 1]
         window = mWork[item, 2]
@@ -475,8 +486,8 @@ class AttnBwdSm90:
 
         self.shared_storage = SharedStorage
         HKV = mK.shape[1]
-        num_units = mWork.shape[0] * HKV
-        grid_x = LongestFirstScheduler.grid(num_units)
+        num_units = mWork.shape[0]
+        grid_x = StaticScheduler.grid(num_units)
         scale_log2 = softmax_scale * Float32(LOG2E)
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tiled_mma_dk, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q,
@@ -498,6 +509,10 @@ class AttnBwdSm90:
                mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+        # one CTA per unit: a padding unit (the unit list's tail: num_units bounds the real ones loosely, and a row of
+        # many short documents leaves most rows padding) ends its CTA before the set-up, so the next one starts
+        if mWork[StaticScheduler.initial_unit(), 0] < 0:
+            exit_cta()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -531,7 +546,7 @@ class AttnBwdSm90:
         pipeline.pipeline_init_wait()
 
         HKV = mK.shape[2]
-        num_units = mWork.shape[0] * HKV
+        num_units = mWork.shape[0]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
@@ -539,8 +554,8 @@ class AttnBwdSm90:
                           tma_atom_dot, mdOt, mdOs, sdOt,
                           mLSE, mDelta, mCu, mWork, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units)
-            if warp_idx == 1:
-                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units)
+            if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):
+                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tiled_mma_dk,
@@ -565,9 +580,9 @@ class AttnBwdSm90:
         lane = cute.arch.lane_idx()
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 k0 = base + n_block * self.tile_n
@@ -642,7 +657,7 @@ class AttnBwdSm90:
                         # q0 is a multiple of KEY_ALIGN: tokens are Qᵀ's / dOᵀ's contiguous axis
                         cute.copy(tma_atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bq)
                         q_state.advance()
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -653,7 +668,7 @@ class AttnBwdSm90:
     # -----------------------------------------------------------------------------------
     @cute.jit
     def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
-                  num_units: Int32):
+                  num_units: Int32, wk: Int32):
         """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
         consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
         r + 32, …), waits until the copies have read sdQ and hands it back (DQ_EMPTY). The first DQ_EMPTY arrive
@@ -662,9 +677,9 @@ class AttnBwdSm90:
         group = HQ // HKV
         lane = cute.arch.lane_idx()
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 for hh in cutlass.range(group, unroll=1):
@@ -674,15 +689,15 @@ class AttnBwdSm90:
                         qrow0 = m_block * self.tile_m - delta  # as one_tile's: document-local row of tile row 0
                         q_tok0 = base + m_block * self.tile_m
                         cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
-                        for j in cutlass.range_constexpr(self.tile_m // 32):
-                            r = lane + 32 * j
+                        for j in cutlass.range_constexpr(self.tile_m // (32 * DQ_WRITERS)):
+                            r = lane + 32 * (wk + DQ_WRITERS * j)  # writer warp wk's rows
                             if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
                                 off = ((q_tok0 + r) * HQ + head) * self.head_dim
                                 bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)
                         cute.arch.cp_async_bulk_commit_group()
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 # as the producer: only padding is left for this CTA
                 unit = num_units
@@ -752,9 +767,9 @@ class AttnBwdSm90:
         bufs[0] = Int32(0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = StaticScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
@@ -798,7 +813,7 @@ class AttnBwdSm90:
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = StaticScheduler.next_unit(unit, num_units)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
 
@@ -1084,7 +1099,7 @@ def compile_args():
     delta = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
     row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (nw, 4), stride_order=(1, 0), assumed_align=4)
     dq_accum = make_fake_compact_tensor(Float32, (t, hq, 64), stride_order=row_major3, assumed_align=16)
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
     dv = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)

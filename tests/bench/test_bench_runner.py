@@ -129,7 +129,7 @@ class _SlowBackward(torch.autograd.Function):
     def backward(ctx, g):
         import time
 
-        time.sleep(0.004)
+        time.sleep(0.05)
         return g
 
 
@@ -156,14 +156,18 @@ def test_bwd_mode_times_the_backward_alone(fakes, tmp_path):
                 return f(q, k, v)
             return g
 
-    impls = [fakes["cpu_slow"](), BwdSlow(), Counting()]
+    class FwdSlow(exact):  # sleeps 50 ms in its forward: far above what a loaded CI machine adds to a tiny backward
+        name = "cpu_slow"
+        delay_s = 0.05
+
+    impls = [FwdSlow(), BwdSlow(), Counting()]
     res = run_bench([_wls()[0]], impls, mode="bwd", out_dir=tmp_path, repeats=3, warmup=1,
                     accuracy=False, device="cpu", quiet=True, n_rotations=2)
     rows = {r.impl: r for r in res.rows}
     assert all(r.status == "ok" for r in res.rows), [r.note for r in res.rows]
-    # cpu_slow sleeps 4 ms in its forward: outside the timed backward calls
-    assert rows["cpu_slow"].median_ms < 3.5
-    assert rows["cpu_bwd_slow"].median_ms > 3.5
+    # cpu_slow sleeps 50 ms in its forward: outside the timed backward calls; cpu_bwd_slow's backward sleeps 50 ms
+    assert rows["cpu_slow"].median_ms < 25
+    assert rows["cpu_bwd_slow"].median_ms > 45
     # one forward per input set (2 rotations), none inside the 1 + 3 timed calls
     assert len(forwards) == 2
     assert rows["cpu_slow"].flops == workload_flops(_wls()[0], "bwd")

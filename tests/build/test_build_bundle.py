@@ -111,3 +111,27 @@ def test_bundle_manifest_and_load(fixture_templates, tmp_path):
     (out / "manifest.json").unlink()
     with pytest.raises(BundleError, match="no manifest"):
         load_bundle(out)
+
+
+def test_manifest_params_carry_the_templates_defaults():
+    """A manifest entry's params are the plan's plus the rendered PARAMS' keys (the template defaults the runtime reads:
+    k_row_perm, bwd_q_row_perm, bwd_head_section, ...), never a key on which the two disagree, and not the variant's
+    identity (name, route, hashes)."""
+    from flamia_gen.build.bundle import _IDENTITY_PARAMS, _module_literal, kernel_params
+    from flamia_gen.plan import make_plan
+    from flamia_gen.render import render_variant
+    from flamia_gen.spec import load_specs
+
+    seen = set()
+    for v in make_plan(load_specs(), arch="sm90").variants:
+        src = render_variant(v)
+        rendered, plan = _module_literal(src, "PARAMS"), dict(v.params)
+        got = kernel_params(v, src)
+        for k, x in plan.items():
+            assert got[k] == x and (k not in rendered or rendered[k] == x), (v.name, k)
+        for k, x in rendered.items():
+            assert (k in _IDENTITY_PARAMS) == (k not in got), (v.name, k)
+            if k not in _IDENTITY_PARAMS:
+                assert got[k] == x
+        seen |= set(got) - set(plan)
+    assert {"k_row_perm", "bwd_q_row_perm", "bwd_head_section", "bwd_persistent", "bwd_dq_warp"} <= seen

@@ -198,9 +198,9 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2), 4 fp8 × (noqperm, s3),
-    # 2 × r12 (dqw1 copies only the D = 64 BF16 tile, whose default has two writers)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 3 + 4 * 2 + 2
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, hs0, hs1),
+    # 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two writers)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 6 + 4 * 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqtma":
@@ -208,6 +208,11 @@ def test_bwd_experiments_variants_names_and_support():
             assert '"bwd_dq_tma": True' in _render(v)
         elif tag == "dqw2":
             assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render(v)
+        elif tag in ("pers", "hs0", "hs1"):
+            src = _render(v)
+            assert "deterministic" not in dict(v.params)
+            assert ("class LongestFirstScheduler:" in src) is (tag == "pers")
+            assert ('"bwd_head_section": 1' in src) is (tag == "hs1") and '"bwd_head_section": 2' not in src
         elif tag == "s3":
             assert v.route == "fp8_token" and dict(v.params)["stages"] == 3 and "STAGES = 3" in _render(v)
         elif tag in ("nodqwarp", "noqperm", "r12"):

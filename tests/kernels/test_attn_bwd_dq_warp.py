@@ -259,8 +259,9 @@ def test_protocol_model_catches_planted_errors():
 
 
 def test_every_backward_experiment_changes_the_kernel_it_copies():
-    """An experiment copy renders differently from its base (outside PARAMS and the name): a tag whose flag is already
-    the default there would time one kernel twice."""
+    """An experiment copy renders differently from its base (outside PARAMS and the name), or — a flag the runtime
+    reads, not the kernel (bwd_head_section: how the unit list orders the heads) — in that PARAMS key: a tag whose flag
+    is already the default there would time one kernel twice."""
     from flamia_gen.bench import bwd_experiments as bx
     from flamia_gen.bench.fwd_experiments import experiment_variants
 
@@ -275,17 +276,20 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
         if not tag:
             continue
         b = base[bx.split_name(v.name, bx.EXPERIMENTS)[0]]
-        assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
+        sv, sb = render_variant(v), render_variant(b)
+        if body(sv, v.name) == body(sb, b.name):
+            pv, pb = _params(sv), _params(sb)
+            assert pv.get("bwd_head_section") != pb.get("bwd_head_section"), (tag, b.name)
         seen.add(tag)
-    assert {"nodqwarp", "noqperm", "r12", "dqw1", "dqw2", "s3"} <= seen
+    assert {"nodqwarp", "noqperm", "r12", "dqw1", "dqw2", "s3", "pers", "hs0", "hs1"} <= seen
 
 
 def test_two_writer_warps_where_one_was_the_limit():
-    """bwd_dq_writers: 2 for the BF16 tile (V not E4M3: the bf16 route) at D = 64 with the writer warp, else 1 (no key
-    rendered); a count other than 1 or 2 refuses to render."""
+    """bwd_dq_writers: 2 at D = 64 with the writer warp (every route that has it), else 1 (no key rendered); a count
+    other than 1 or 2 refuses to render."""
     for v in BWD:
         p = _params(render_variant(v))
-        want = 2 if (p.get("bwd_dq_warp") and p["head_dim"] == 64 and p["v_fmt"] != "e4m3") else None
+        want = 2 if (p.get("bwd_dq_warp") and p["head_dim"] == 64) else None
         assert p.get("bwd_dq_writers") == want, v.name
     v = next(x for x in BWD if x.route == "fp8_token" and not dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="bwd_dq_writers_must_be_1_or_2"):

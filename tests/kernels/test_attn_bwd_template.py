@@ -19,7 +19,7 @@ import torch
 
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant
-from flamia_gen.runtime.attn_bwd import check_bwd_inputs, make_work_list, num_work, run_attn_bwd
+from flamia_gen.runtime.attn_bwd import check_bwd_inputs, make_work_list, num_units, num_work, run_attn_bwd
 from flamia_gen.spec import load_specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -270,7 +270,9 @@ def test_run_attn_bwd_calls_in_args_order(variants, route):
     by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
     assert by["dk"] is dk and by["dv"] is dv and by["dq_accum"] is acc
     assert by["softmax_scale"] == pytest.approx(128 ** -0.5)
-    assert by["work"].shape == (num_work(40, 2, 128), 3)
+    # the default (one CTA per unit): the unit list, (doc, n_block, window, KV head) per row
+    assert lit["PARAMS"]["bwd_head_section"] == 2
+    assert by["work"].shape == (num_units(40, 2, 128, 2), 4) == (min(num_work(40, 2, 128), 5) * 2, 4)
     if route == "fp8_token":
         assert by["q"].dtype == torch.float8_e4m3fn and by["k_t"].dtype == torch.float8_e4m3fn
     assert dq.dtype == torch.bfloat16 and dq.shape == (40, 4, 128) and dk.shape == (40, 2, 128)

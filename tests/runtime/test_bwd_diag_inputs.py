@@ -45,8 +45,8 @@ def _plain_variant() -> tuple[list, dict]:
 
 
 def _diag_variant() -> tuple[list, dict]:
-    """The fp8_token backward's ARGS and PARAMS with what a diag_v backward adds."""
-    args, params = bs.generated(FP8_BWD)
+    """The fp8_token backward's ARGS and PARAMS with what a diag_v backward adds (persistent, as it renders)."""
+    args, params = bs.persistent_form(*bs.generated(FP8_BWD))
     return args + DIAG_ARGS, dict(params, **DIAG_PARAMS)
 
 

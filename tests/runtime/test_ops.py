@@ -504,6 +504,10 @@ def test_gpu_kept_codes_equal_recomputed_codes(causal):
             assert torch.equal(next(it), outs[f]), (op, f)
     do = torch.randn_like(o)
     args = (do, q, k, v, o, lse, cu, m, causal, "fp8_token", None)
+    from flamia_gen.runtime.attention import bwd_candidates
+
+    if not [e for e in bwd_candidates(b, "fp8_token", D, causal) if e["params"].get("deterministic")]:
+        pytest.skip(f"bundle {b.root} has no deterministic fp8_token backward (the codes above were checked)")
     kept = torch.ops.flamia.attention_bwd(*args, codes, True)
     again = torch.ops.flamia.attention_bwd(*args, [], True)
     assert all(torch.equal(a, b) for a, b in zip(kept, again))

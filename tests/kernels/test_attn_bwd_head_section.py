@@ -1,0 +1,92 @@
+"""The template flag `bwd_head_section` (the unit list with KV heads in sections; runtime side:
+tests/runtime/test_attn_bwd_head_units.py): what it renders, off by default, and that it cross-compiles with the
+one-CTA-per-unit scheduler (`-m compile`), on by default where the schedule allows. The H200 A/B: `bench.bwd_experiments`
+tags pers, hs0, hs1 (measured as np, nph1, nph2, ph2 before the defaults flipped)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.spec import load_specs
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+
+
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _literal(src: str, name: str):
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
+    return ast.literal_eval(node.value)
+
+
+def _one_cta_by_default(p: dict) -> bool:
+    """The template's BWD_PERSISTENT_DEFAULT, negated: no ordered dQ, no tensor-scaled dS (fp8_tensor's two launches),
+    no 32×32-block dS (its schedule has no windows)."""
+    return not p.get("deterministic") and p.get("ds_gran") not in ("tensor", "square_32")
+
+
+def test_one_cta_per_unit_and_two_head_sections_by_default_where_the_schedule_allows():
+    """Default: one CTA per unit (the static class, grid = units) with the KV heads in sections of 2; persistent (and
+    no unit list) for the deterministic dQ, fp8_tensor and the 32×32-block dS. The experiment module's predicate
+    agrees with the template."""
+    from flamia_gen.bench.bwd_experiments import _one_cta_per_unit
+
+    seen = {True: 0, False: 0}
+    for v in BWD:
+        src = _render(v)
+        p = _literal(src, "PARAMS")
+        one = _one_cta_by_default(dict(v.params))
+        assert one == _one_cta_per_unit(dict(v.params)), v.name
+        seen[one] += 1
+        if one:
+            assert p.get("bwd_persistent") is False and p.get("bwd_head_section") == 2, v.name
+            assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src, v.name
+            # a padding unit's CTA leaves before any set-up (its first statement), every thread of it
+            body = src[src.index("    def kernel(self"):]
+            body = body[body.index("):\n") + 3:]
+            first = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")][:2]
+            assert first == ["if mWork[StaticScheduler.initial_unit(), 0] < 0:", "exit_cta()"], (v.name, first)
+        else:
+            assert "bwd_persistent" not in p and "bwd_head_section" not in p, v.name
+            assert "class LongestFirstScheduler:" in src and "exit_cta" not in src, v.name
+    assert seen[True] >= 8 and seen[False] >= 8
+    det = next(x for x in BWD if dict(x.params).get("deterministic"))
+    with pytest.raises(Exception, match="deterministic_dq_needs_a_persistent_scheduler"):
+        _render(det, bwd_persistent=False)
+    assert _literal(_render(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2  # sections keep its order
+
+
+def test_flag_renders_the_unit_list():
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    off = _render(v, bwd_persistent=True, bwd_head_section=0)
+    assert "bwd_head_section" not in _literal(off, "PARAMS") and "bwd_persistent" not in _literal(off, "PARAMS")
+    assert next(a for a in _literal(off, "ARGS") if a["name"] == "work")["shape"] == ["NUM_WORK", "3"]
+    assert "hkv = mWork[item, 3]" not in off
+    on = _render(v, bwd_head_section=2)
+    assert _literal(on, "PARAMS")["bwd_head_section"] == 2
+    assert next(a for a in _literal(on, "ARGS") if a["name"] == "work")["shape"] == ["NUM_UNITS", "4"]
+    assert "hkv = mWork[item, 3]" in on and "item = unit // HKV" not in on
+    # every unit count is the unit list's length (not × HKV): the grid and the loops' bound
+    assert len(re.findall(r"num_units = mWork\.shape\[0\]\n", on)) == 2 and "mWork.shape[0] * HKV" not in on
+    assert "work = make_fake_compact_tensor(Int32, (nw, 4)" in on
+
+
+@pytest.mark.compile
+def test_compile_head_sections_one_cta_per_unit(compile_sm90):
+    """Cross-compiles the flag with the one-CTA-per-unit scheduler (the A/B copy `nph2` of bench.bwd_experiments)."""
+    v = next(x for x in BWD if x.route == "bf16" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    ptx = compile_sm90(v)  # the default: bwd_persistent off, bwd_head_section 2
+    assert "cp.reduce.async.bulk" in ptx
+    assert len(re.findall(r"^\s*exit;", ptx, re.M)) == 1  # the padding unit's early exit
