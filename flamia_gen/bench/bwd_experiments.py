@@ -80,6 +80,11 @@ EXPERIMENTS: dict[str, dict] = {
                 note="one CTA per unit, item-major (every KV head of an item in turn)"),
     "hs1": dict(over={"bwd_head_section": 1}, when=_one_cta_per_unit,
                 note="one CTA per unit, head-major (a KV head's units longest-first, then the next head's)"),
+    # the same for the 32×32-block dS (persistent by default: its schedule has no windows, so a row of many short
+    # documents has as many units as key tiles; `131072x1` in --workloads times that row)
+    "onecta": dict(over={"bwd_persistent": False, "bwd_head_section": 2},
+                   when=lambda p: not p.get("deterministic") and p.get("ds_gran") == "square_32",
+                   note="one CTA per unit, KV heads in sections of 2 (the 32×32-block dS routes)"),
     "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
                 when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
                 note="neither (the fp8_token backward of round 12)"),
