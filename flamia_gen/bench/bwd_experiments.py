@@ -85,6 +85,14 @@ EXPERIMENTS: dict[str, dict] = {
     "onecta": dict(over={"bwd_persistent": False, "bwd_head_section": 2},
                    when=lambda p: not p.get("deterministic") and p.get("ds_gran") == "square_32",
                    note="one CTA per unit, KV heads in sections of 2 (the 32×32-block dS routes)"),
+    # bwd_dynamic (compiled, not yet run: 2026-12-02, thirteenth session): persistent CTAs that take the next unit from
+    # an atomic counter, over head sections of 2 — one CTA per unit's order without a CTA's set-up per unit
+    "dyn": dict(over={"bwd_dynamic": True, "bwd_persistent": True, "bwd_head_section": 2},
+                when=lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor",
+                note="persistent CTAs, next unit from an atomic counter, KV heads in sections of 2"),
+    "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
+                   when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",
+                   note="the deterministic dQ with the atomic-counter scheduler over head sections of 2"),
     "r12": dict(over={"bwd_dq_warp": False, "bwd_q_row_perm": False},
                 when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
                 note="neither (the fp8_token backward of round 12)"),

@@ -560,6 +560,10 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         else:
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
+    if any(a["name"] == "unit_counter" for a in args_spec):
+        # bwd_dynamic: the persistent CTAs' next-unit counter, zero at every launch (the kernel leaves it at the
+        # number of units it handed out); a fresh zeroed word per call, no host sync
+        by_name["unit_counter"] = torch.zeros(1, dtype=torch.int32, device=dev)
     if params.get("bwd_q_row_perm"):
         # the row-permuting Q and dO TMAs read whole 16-token groups: rows T … T_PAD − 1 of the codes' storage
         # (masked queries). The quantizers' padded storage has them; other codes (a caller's own) cost a zero-padded

@@ -198,9 +198,10 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, hs0, hs1),
-    # 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two writers)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 6 + 4 * 2 + 2
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, hs0, hs1, dyn),
+    # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two
+    # writers)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqtma":
@@ -208,6 +209,10 @@ def test_bwd_experiments_variants_names_and_support():
             assert '"bwd_dq_tma": True' in _render(v)
         elif tag == "dqw2":
             assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render(v)
+        elif tag in ("dyn", "dyndet"):
+            src = _render(v)
+            assert bool(dict(v.params).get("deterministic")) is (tag == "dyndet")
+            assert "class DynamicScheduler:" in src and '"bwd_dynamic": True' in src
         elif tag in ("pers", "hs0", "hs1"):
             src = _render(v)
             assert "deterministic" not in dict(v.params)

@@ -90,3 +90,55 @@ def test_compile_head_sections_one_cta_per_unit(compile_sm90):
     ptx = compile_sm90(v)  # the default: bwd_persistent off, bwd_head_section 2
     assert "cp.reduce.async.bulk" in ptx
     assert len(re.findall(r"^\s*exit;", ptx, re.M)) == 1  # the padding unit's early exit
+
+
+# ---------------------------------------------------------------- bwd_dynamic (compiled, not yet run on a GPU)
+
+
+def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
+    """bwd_dynamic: off by default (no variant renders it); on, the ARGS take `unit_counter` after `work`, warp 0 publishes
+    each next unit (an atomic add on the counter, UNIT_EMPTY then UNIT_FULL) and every other role receives it (UNIT_FULL
+    then UNIT_EMPTY, after one UNIT_EMPTY arrive before its loop); the barrier counts include exactly the warps that
+    take part; refused with one CTA per unit or fp8_tensor's two launches."""
+    for v in BWD:
+        assert "DynamicScheduler" not in _render(v) and "unit_counter" not in _render(v), v.name
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    src = _render(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
+    names = [a["name"] for a in _literal(src, "ARGS")]
+    assert names[names.index("work") + 1] == "unit_counter"
+    assert _literal(src, "PARAMS")["bwd_dynamic"] is True
+    m = re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2 \+ 32 \* (\d)  #", src, re.M)
+    assert m and int(m.group(1)) == 1  # warp 0, two consumer warpgroups, one writer warp (D = 128)
+    pub = src[src.index("    def publish_next("):src.index("    def receive_next(")]
+    rec = src[src.index("    def receive_next("):src.index("    def next_unit(")]
+    order = lambda text, keys: [k for _, k in sorted((text.index(k), k) for k in keys)]  # noqa: E731
+    assert order(pub, ["atomic_add_i32(", "barrier(barrier_id=UNIT_EMPTY_BAR", "sUnit[0] = v",
+                       "barrier_arrive(barrier_id=UNIT_FULL_BAR"]) == ["atomic_add_i32(",
+                                                                        "barrier(barrier_id=UNIT_EMPTY_BAR",
+                                                                        "sUnit[0] = v",
+                                                                        "barrier_arrive(barrier_id=UNIT_FULL_BAR"]
+    assert order(rec, ["barrier(barrier_id=UNIT_FULL_BAR", "v = sUnit[0]", "barrier_arrive(barrier_id=UNIT_EMPTY_BAR"]) \
+        == ["barrier(barrier_id=UNIT_FULL_BAR", "v = sUnit[0]", "barrier_arrive(barrier_id=UNIT_EMPTY_BAR"]
+    assert src.count(".publish_next(mUnitCtr, sUnit)") == 1 and src.count(".receive_next(sUnit)") == 2
+    assert src.count("barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free") == 2
+    det = next(x for x in BWD if x.route == "fp8_token" and dict(x.params).get("deterministic"))
+    assert re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2  #", _render(det, bwd_dynamic=True), re.M)  # no writer warp
+    with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
+        _render(v, bwd_dynamic=True)  # the default here is one CTA per unit
+    dst = next(x for x in BWD if x.route == "fp8_tensor")
+    with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
+        _render(dst, bwd_dynamic=True)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("det", [False, True])
+def test_compile_dynamic_scheduler(compile_sm90, det):
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and bool(dict(x.params).get("deterministic")) is det)
+    over = dict(bwd_dynamic=True, bwd_head_section=2) if det else dict(bwd_dynamic=True, bwd_persistent=True,
+                                                                        bwd_head_section=2)
+    ptx = compile_sm90(v, source=_render(v, **over))
+    assert len(re.findall(r"atom\.global\.add\.s32", ptx)) == 1
+    bars = re.findall(r"bar(?:rier)?(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(9|10),\s*(\d+)", ptx)
+    assert bars and {int(n) for _, _, n in bars} == {288 if det else 320}

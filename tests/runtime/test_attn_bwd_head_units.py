@@ -185,3 +185,21 @@ def test_run_attn_bwd_refuses_a_schedule_without_the_heads():
         run_attn_bwd(lambda *a: called.append(a), args, q, k, v, do, torch.zeros(bs.HQ, T), torch.zeros(bs.HQ, T),
                      cu_seqlens=cu, params=params, schedule=plain)
     assert not called
+
+
+def test_run_attn_bwd_gives_the_dynamic_scheduler_a_zeroed_counter_per_call():
+    args, params = _bf16_case(2)
+    i = [a["name"] for a in args].index("work")
+    args = args[:i + 1] + [{"name": "unit_counter", "dtype": "int32", "shape": ["1"], "role": "inout"}] + args[i + 1:]
+    params = dict(params, bwd_dynamic=True)
+    q, k, v, do, cu = bs.bf16_inputs(with_o=False)
+    T = q.shape[0]
+    seen = []
+    for _ in range(2):
+        fn, got = bs.recorder(args)
+        run_attn_bwd(fn, args, q, k, v, do, torch.zeros(bs.HQ, T), torch.zeros(bs.HQ, T), cu_seqlens=cu, params=params)
+        c = got["unit_counter"]
+        assert c.dtype == torch.int32 and c.shape == (1,) and int(c[0]) == 0
+        c += 7  # what a launch leaves behind must not reach the next call
+        seen.append(c)
+    assert seen[0] is not seen[1]
