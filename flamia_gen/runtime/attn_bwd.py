@@ -13,6 +13,9 @@ Windows (`bwd_schedule`): documents shorter than a key tile that start in the sa
 merged into one pseudo-document whose query tiles are all masked and where a key is seen only by
 queries of its own document (`row_doc`), as in the forward (runtime.attn_fwd.merge_windows); a
 persistent CTA leaves its loop at the first padding unit.
+Unit lists (`head_units`, variants whose PARAMS carry `bwd_head_section`: the one-CTA-per-unit default since
+2026-12-02): the work list × KV heads as (NUM_UNITS, 4) rows (doc, n_block, window, KV head), the heads in sections
+(few heads' Q, dO, dQ rows in L2 at once), padding last; with windows cut first to `num_window_items` rows.
 A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
 summed over the GQA group in registers and written once (deterministic); dQ partials are
 reduce-added in fp32 (bulk reduce-adds from shared memory, in no fixed order: not deterministic in
