@@ -152,9 +152,11 @@ def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
     return bwd, fwd + quant
 
 
-def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=(), variant_globs=()) -> dict:
-    """`variant_globs` (none: all) narrows the backward variants the experiments copy, by base name."""
-    bwd, support = base_variants(candidates=candidates)
+def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=(), variant_globs=(), routes=ROUTES,
+          head_dim: int = HEAD_DIM) -> dict:
+    """`variant_globs` (none: all) narrows the backward variants the experiments copy, by base name; `routes` and
+    `head_dim` pick the base variants (default: fp8_token and bf16 at D = 128)."""
+    bwd, support = base_variants(routes=tuple(routes), head_dim=head_dim, candidates=candidates)
     if variant_globs:
         bwd = [v for v in bwd if matches_any(v.name, variant_globs)]
         if not bwd:
@@ -286,6 +288,9 @@ def main(argv=None) -> int:
     rp.add_argument("--variants", default="", help="comma-separated name globs of the base variants to run")
     rp.add_argument("--workloads", default="4x4096,1x16384",
                     help="comma-separated rows of documents, e.g. 4x4096,1x16384,8192+224x256")
+    bp.add_argument("--routes", default="", help="comma-separated routes of the base variants (default: "
+                    + ",".join(ROUTES) + ")")
+    bp.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=(64, 128))
     bp.add_argument("--candidates", default="", help="comma-separated routes no family lists yet (built and run "
                     "like the others, e.g. fp8_token_bf16qk)")
     a = ap.parse_args(argv)
@@ -293,7 +298,7 @@ def main(argv=None) -> int:
         return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
         m = build(a.out, split_tags(a.only), jobs=a.jobs, candidates=split_tags(a.candidates),
-                  variant_globs=split_tags(a.variants))
+                  variant_globs=split_tags(a.variants), routes=split_tags(a.routes) or ROUTES, head_dim=a.head_dim)
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,

@@ -142,3 +142,24 @@ def test_compile_dynamic_scheduler(compile_sm90, det):
     assert len(re.findall(r"atom\.global\.add\.s32", ptx)) == 1
     bars = re.findall(r"bar(?:rier)?(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(9|10),\s*(\d+)", ptx)
     assert bars and {int(n) for _, _, n in bars} == {288 if det else 320}
+
+
+def test_experiment_build_takes_routes_and_head_dim(monkeypatch, tmp_path):
+    """`bwd_experiments build --routes mxfp8 --only dyn`: the route's backward variants at the head dim, the dyn copies of
+    the non-deterministic ones, and their op path's forwards and quantizers; nothing of the default routes."""
+    from flamia_gen.bench import bwd_experiments as bx
+
+    got = {}
+
+    def fake_bundle(out, vs, jobs=2):
+        got["vs"] = list(vs)
+        return {"variants": [{"name": v.name} for v in vs]}
+
+    monkeypatch.setattr(bx, "build_variants_bundle", fake_bundle)
+    assert bx.main(["build", "-o", str(tmp_path / "b"), "--only", "dyn", "--routes", "mxfp8", "--head-dim", "64"]) == 0
+    bwd = [v for v in got["vs"] if v.kind.value == "attn_bwd"]
+    assert bwd and {v.route for v in bwd} == {"mxfp8"} and {v.param("head_dim") for v in bwd} == {64}
+    dyn = [v for v in bwd if v.name.endswith("_xdyn")]
+    assert len(dyn) == 2 and not any(dict(v.params).get("deterministic") for v in dyn)
+    assert all(dict(v.params)["bwd_dynamic"] is True for v in dyn)
+    assert any(v.kind.value == "attn_fwd" for v in got["vs"]) and any(v.kind.value == "quant" for v in got["vs"])
