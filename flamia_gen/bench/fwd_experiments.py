@@ -65,6 +65,11 @@ EXPERIMENTS: dict[str, dict] = {
                     note="the P permutation by shuffles instead of the K-row-permuting TMA"),
     "r11": dict(over={"ex2_ring": False, "k_row_perm": False}, when=_e4m3_qk,
                 note="the kernel before round 12 (neither)"),
+    # one CTA per unit (2026-12-02, thirteenth session; not yet run): the backward gained −3 … −14 % so (docs/kernels/
+    # attn_bwd.md "One CTA per unit"); a model of the forward's causal 1×16384 m192 units gives 91.7 % of the ideal
+    # makespan for the persistent round-robin and 99.6 % for first-free-SM dispatch
+    "np": dict(over={"scheduler": "static"}, when=lambda p: True,
+               note="one CTA per unit (the GPU hands out the longest-first units as SMs free up)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"

@@ -606,6 +606,21 @@ def test_three_consumer_warpgroups_render_registers_and_tiling():
         test_key_tiling_aligned_and_covers_and_masks(v)
 
 
+def test_np_experiment_launches_one_cta_per_unit():
+    """Tag np (not yet run on a GPU): the static scheduler class, grid = units, every unit's own CTA; the default
+    stays persistent."""
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    tagged = [(t, v) for t, v in experiment_variants(("np",), base_variants=_FP8) if t == "np"]
+    assert len(tagged) == len(_FP8)
+    for _, v in tagged:
+        src = render_variant(v)
+        assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src
+        assert _literals(src)["PARAMS"]["scheduler"] == "static"
+        base = render_variant(next(b for b in _FP8 if b.name + "_xnp" == v.name))
+        assert "class LongestFirstScheduler:" in base
+
+
 def test_nopp_experiment_drops_only_the_ping_pong():
     from flamia_gen.bench.fwd_experiments import experiment_variants
 
