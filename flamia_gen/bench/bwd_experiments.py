@@ -238,22 +238,14 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
                        workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout)
 
 
-def parse_doc_rows(text: str) -> tuple[tuple[int, ...], ...]:
-    """"4x4096,1x16384,8192+224x256" → ((4096,) * 4, (16384,), (8192,) + (256,) * 224): each row a '+'-joined list
-    of `N x L` (N documents of L tokens) or `L` terms."""
-    rows = []
-    for raw in text.split(","):
-        docs: list[int] = []
-        for term in raw.strip().split("+"):
-            n, _, length = term.strip().rpartition("x")
-            try:
-                docs += [int(length)] * (int(n) if n else 1)
-            except ValueError:
-                raise SystemExit(f"--workloads: {raw!r} is not a row like 4x4096 or 8192+224x256") from None
-        if not docs or min(docs) < 1:
-            raise SystemExit(f"--workloads: {raw!r} has no documents")
-        rows.append(tuple(docs))
-    return tuple(rows)
+def _doc_rows(text: str) -> tuple[tuple[int, ...], ...]:
+    """--workloads ("4x4096,1x16384,8192+224x256") as the rows of document lengths `run` takes: the tuner's parser."""
+    from ..tune.space import parse_workloads
+
+    try:
+        return tuple(w.doc_lens for w in parse_workloads(text))
+    except ValueError as e:
+        raise SystemExit(f"--workloads: {e}") from None
 
 
 def _fmt_row(row, workloads) -> str:
@@ -302,7 +294,7 @@ def main(argv=None) -> int:
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
-               workloads=parse_doc_rows(a.workloads), variant_globs=split_tags(a.variants))
+               workloads=_doc_rows(a.workloads), variant_globs=split_tags(a.variants))
     return run_exit_code(rows)
 
 

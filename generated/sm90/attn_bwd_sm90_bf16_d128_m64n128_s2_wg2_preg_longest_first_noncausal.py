@@ -253,13 +253,17 @@ def quad_max_nan(x):
     return fmax_nan(x, cute.arch.shuffle_sync_bfly(x, offset=2))
 
 
+def _asm_volatile(ret, args, code, cons, loc, ip):
+    """Inline PTX with side effects (never reordered or dropped): the semaphores, the padding exit, the unit counter."""
+    return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 
 @dsl_user_op
 def exit_cta(*, loc=None, ip=None):
     """PTX `exit`: the thread ends here. Taken by every thread of a CTA together (its unit is padding), before any
     barrier is initialised or waited on."""
-    llvm.inline_asm(None, [], "exit;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _asm_volatile(None, [], "exit;", "", loc, ip)
 
 # ---------------------------------------------------------------------------------------
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.

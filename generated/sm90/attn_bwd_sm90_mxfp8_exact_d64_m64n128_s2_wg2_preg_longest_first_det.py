@@ -308,6 +308,11 @@ def pow2i_ds_key(k):
     return bits_f32(Uint32(cutlass.max(Int32(k) - Int32(8), Int32(0))) << Uint32(23))
 
 
+def _asm_volatile(ret, args, code, cons, loc, ip):
+    """Inline PTX with side effects (never reordered or dropped): the semaphores, the padding exit, the unit counter."""
+    return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 # ---------------------------------------------------------------------------------------
 # Deterministic dQ: an ordered reduction (FA3's deterministic backward, our own code).
 #
@@ -340,11 +345,6 @@ def pow2i_ds_key(k):
 # effects and a memory clobber: the spin load must not be hoisted out of its loop.
 # ---------------------------------------------------------------------------------------
 DQ_BARRIER = 2  # named barrier of the semaphore protocol (1 is the dS / amax barrier)
-
-
-def _asm_volatile(ret, args, code, cons, loc, ip):
-    return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
