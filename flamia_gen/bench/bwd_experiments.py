@@ -39,8 +39,8 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
-# the template's BWD_PERSISTENT_DEFAULT, negated: no ordered dQ, no tensor-scaled dS (two launches), no 32×32-block dS
-_one_cta_per_unit = lambda p: not p.get("deterministic") and p.get("ds_gran") not in ("tensor", "square_32")  # noqa: E731
+# the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
+_dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
@@ -71,25 +71,25 @@ EXPERIMENTS: dict[str, dict] = {
     # consumers' wait for the next tile's Sᵀ, dPᵀ operands); the FP8 tiles (their stage is 32 KB)
     "s3": dict(over={"stages": 3}, when=lambda p: p.get("v_fmt") == "e4m3" and p.get("stages") == 2,
                note="3 Q/dO pipeline stages"),
-    # one CTA per unit with the KV heads in sections of 2 (bwd_persistent off, bwd_head_section 2: the default since
-    # 2026-12-02, thirteenth session, where the schedule allows; measured as tags np, nph1, nph2, ph2 in
-    # docs/results/bwd_experiments_sched-h200-2026-12-02.json): the kernel before, and the other section sizes
-    "pers": dict(over={"bwd_persistent": True, "bwd_head_section": 0}, when=_one_cta_per_unit,
-                 note="persistent CTAs, item-major units (the kernel before 2026-12-02's one CTA per unit)"),
-    "hs0": dict(over={"bwd_head_section": 0}, when=_one_cta_per_unit,
+    # the dynamic persistent scheduler over head sections of 2 (bwd_dynamic: the default since 2026-12-02, fourteenth
+    # session, where the schedule allows; measured as tag dyn in docs/results/bwd_experiments_dyn*-h200-2026-12-02.*):
+    # the kernels before it — the round-robin, one CTA per unit (the thirteenth session's default, as tags np, nph1,
+    # nph2, ph2 in docs/results/bwd_experiments_sched-h200-2026-12-02.json), and that with other section sizes
+    "pers": dict(over={"bwd_dynamic": False, "bwd_persistent": True, "bwd_head_section": 0}, when=_dynamic_default,
+                 note="persistent CTAs, units b, b + grid, …, item-major (the kernel of the twelfth session)"),
+    "onecta": dict(over={"bwd_persistent": False, "bwd_head_section": 2}, when=_dynamic_default,
+                   note="one CTA per unit, KV heads in sections of 2 (the thirteenth session's default)"),
+    "hs0": dict(over={"bwd_persistent": False, "bwd_head_section": 0}, when=_dynamic_default,
                 note="one CTA per unit, item-major (every KV head of an item in turn)"),
-    "hs1": dict(over={"bwd_head_section": 1}, when=_one_cta_per_unit,
+    "hs1": dict(over={"bwd_persistent": False, "bwd_head_section": 1}, when=_dynamic_default,
                 note="one CTA per unit, head-major (a KV head's units longest-first, then the next head's)"),
-    # the same for the 32×32-block dS (persistent by default: its schedule has no windows, so a row of many short
-    # documents has as many units as key tiles; `131072x1` in --workloads times that row)
-    "onecta": dict(over={"bwd_persistent": False, "bwd_head_section": 2},
-                   when=lambda p: not p.get("deterministic") and p.get("ds_gran") == "square_32",
-                   note="one CTA per unit, KV heads in sections of 2 (the 32×32-block dS routes)"),
-    # bwd_dynamic (compiled, not yet run: 2026-12-02, thirteenth session): persistent CTAs that take the next unit from
-    # an atomic counter, over head sections of 2 — one CTA per unit's order without a CTA's set-up per unit
-    "dyn": dict(over={"bwd_dynamic": True, "bwd_persistent": True, "bwd_head_section": 2},
-                when=lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor",
-                note="persistent CTAs, next unit from an atomic counter, KV heads in sections of 2"),
+    "dhs1": dict(over={"bwd_head_section": 1}, when=_dynamic_default,
+                 note="the dynamic scheduler, head-major (sections of 1 KV head)"),
+    # bwd_sq32_windows (default since 2026-12-02, fourteenth session): the 32×32-block dS routes without windows (a
+    # unit per short document and KV head: 102–110 ms on 131072 one-token documents, mxfp8 D = 128, before it)
+    "sq32nowin": dict(over={"bwd_sq32_windows": False}, when=lambda p: p.get("ds_gran") == "square_32",
+                      note="the 32×32-block dS without windows (the kernel before bwd_sq32_windows)"),
+    # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",
                    note="the deterministic dQ with the atomic-counter scheduler over head sections of 2"),

@@ -70,6 +70,10 @@ EXPERIMENTS: dict[str, dict] = {
     # makespan for the persistent round-robin and 99.6 % for first-free-SM dispatch
     "np": dict(over={"scheduler": "static"}, when=lambda p: True,
                note="one CTA per unit (the GPU hands out the longest-first units as SMs free up)"),
+    # fwd_dynamic (default since 2026-12-02, fourteenth session; H200: fp8_token m192n128 1.07× / 0.98×, np 1.08× /
+    # 0.96× at 1×16384 / 4×4096 causal): the round-robin kernel before it, as an A/B copy
+    "nodyn": dict(over={"fwd_dynamic": False}, when=lambda p: p.get("scheduler") != "static",
+                  note="persistent CTAs, units b, b + grid, … (the kernel before the atomic-counter scheduler)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"

@@ -131,6 +131,7 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
         kv += 2 * n * d
     if elem_bytes == 1 and params.get("ds_gran") == "square_32":  # dK block maxima, one word per consumer warp
         kv += 4 * 8 * params["compute_warpgroups"]
+        kv += 4 * (n + m)  # bwd_sq32_windows: each key row's max and each query's group key in a window tile
     return kv + st * per_stage + ds + 2 * 4 * m + dq + 1024 + (128 if dq else 0)
 
 

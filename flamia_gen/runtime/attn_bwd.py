@@ -162,9 +162,10 @@ class BwdSchedule(NamedTuple):
 
 def bwd_windows(params: dict) -> bool:
     """Whether a backward variant (PARAMS `params`) runs short documents merged into windows
-    (`bwd_schedule`): not when its dS is scaled per 32×32 block (`ds_gran: square_32`), whose blocks
-    must not mix documents."""
-    return params.get("ds_gran") != "square_32"
+    (`bwd_schedule`): every variant but a 32×32-block dS (`ds_gran: square_32`) kernel built without the
+    template's `bwd_sq32_windows` (its blocks would mix the window's documents; a kernel with the flag cuts
+    each block to one document in window tiles)."""
+    return params.get("ds_gran") != "square_32" or bool(params.get("bwd_sq32_windows"))
 
 
 def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: bool, *, key_align: int = 1,
@@ -175,7 +176,8 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
 
     `windows=False`: every document keeps its own key tiles (no windows; every work item's window flag
     is 0; `cu` is cu_seqlens itself as int32). Routes whose dS is scaled per 32×32 block (`ds_gran:
-    square_32`) need it: a block of a window would share one amax across documents. The shapes and
+    square_32`) need it unless their kernel has `bwd_sq32_windows` (`bwd_windows`): a block of a window would
+    otherwise share one amax across documents. The shapes and
     dtypes are those of `windows=True` (NUM_WORK bounds both).
 
     `head_section` > 0 (a `bwd_head_section` variant's PARAMS): `work` is the (NUM_WORK·hkv, 4) unit list of

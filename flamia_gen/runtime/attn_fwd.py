@@ -355,6 +355,10 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
             by_name["k_diag"] = _as_e4m3(k_rows_for_tma(diag["k_diag"], v.shape[2]))
     else:
         by_name.update(q=q, k=k, v=v)
+    if any(a["name"] == "unit_counter" for a in args_spec):
+        # fwd_dynamic: the persistent CTAs' next-unit counter, zero at every launch (the kernel leaves it at the
+        # number of units it handed out); a fresh zeroed word per call, no host sync
+        by_name["unit_counter"] = torch.zeros(1, dtype=torch.int32, device=dev)
     missing = [a["name"] for a in args_spec if a["name"] not in by_name]
     if missing:
         raise ValueError(f"args_spec names arguments this wrapper does not know: {missing}")

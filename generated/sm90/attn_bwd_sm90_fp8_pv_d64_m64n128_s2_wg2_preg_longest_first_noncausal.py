@@ -77,7 +77,7 @@ PARAMS = {
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
     "bwd_head_section": 2,
-    "bwd_persistent": False,
+    "bwd_dynamic": True,
     "bwd_dq_warp": True,
     "bwd_dq_writers": 2,
     "sm_count": 132,
@@ -101,6 +101,7 @@ ARGS = [
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
     {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
     {"name": "work", "dtype": "int32", "shape": ["NUM_UNITS", "4"], "role": "in"},
+    {"name": "unit_counter", "dtype": "int32", "shape": ["1"], "role": "inout"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "dq_accum", "dtype": "float32", "shape": ["T", "HQ", "D"], "role": "inout"},
     {"name": "dk", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
@@ -278,23 +279,28 @@ def _asm_volatile(ret, args, code, cons, loc, ip):
     return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
                            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
+UNIT_FULL_BAR = 9  # named barriers of the unit hand-over (bwd_dynamic): warp 0 → consumers and writer warp(s)
+UNIT_EMPTY_BAR = 10
+UNIT_THREADS = 32 + 128 * 2 + 32 * 2  # warp 0, the consumers, the writer warp(s)
+
 
 @dsl_user_op
-def exit_cta(*, loc=None, ip=None):
-    """PTX `exit`: the thread ends here. Taken by every thread of a CTA together (its unit is padding), before any
-    barrier is initialised or waited on."""
-    _asm_volatile(None, [], "exit;", "", loc, ip)
+def atomic_add_i32(ptr, val, *, loc=None, ip=None):
+    """int32 global atomic add (relaxed, GPU scope): the old value."""
+    return Int32(_asm_volatile(_T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                          Int32(val).ir_value(loc=loc, ip=ip)],
+                               "atom.global.add.s32 $0, [$1], $2;", "=r,l,r,~{memory}", loc, ip))
 
 # ---------------------------------------------------------------------------------------
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.
 # ---------------------------------------------------------------------------------------
-class StaticScheduler:
-    """One unit per CTA.
+class DynamicScheduler:
+    """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
     Units are the rows of the unit list (runtime.attn_bwd.head_units): KV heads in sections, longest-first in each."""
 
     @staticmethod
     def grid(num_units):
-        return num_units
+        return cutlass.min(num_units, Int32(SM_COUNT))
 
     @staticmethod
     def initial_unit():
@@ -302,8 +308,35 @@ class StaticScheduler:
         return Int32(bid)
 
     @staticmethod
+    @cute.jit
+    def publish_next(mUnitCtr: cute.Tensor, sUnit: cute.Tensor):
+        """Warp 0 (every lane): lane 0 takes the next unit from the counter (units below the grid size went to the CTAs
+        by index), waits until the others have read the last one (UNIT_EMPTY), writes it and releases it (UNIT_FULL)."""
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        v = Int32(0)
+        if lane == 0:
+            v = atomic_add_i32(mUnitCtr.iterator, 1) + Int32(gdim)
+        v = cute.arch.shuffle_sync(v, 0)
+        cute.arch.barrier(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        if lane == 0:
+            sUnit[0] = v
+        cute.arch.barrier_arrive(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        return v
+
+    @staticmethod
+    @cute.jit
+    def receive_next(sUnit: cute.Tensor):
+        """The consumer warpgroups and the dQ writer warp(s): the unit warp 0 published, then its slot back."""
+        cute.arch.barrier(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        v = sUnit[0]
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        return v
+
+    @staticmethod
     def next_unit(unit, num_units):
-        return num_units
+        gdim, _, _ = cute.arch.grid_dim()
+        return unit + Int32(gdim)
 
     @staticmethod
     @cute.jit
@@ -450,6 +483,7 @@ class AttnBwdSm90:
                  mdOt: cute.Tensor, mdOs: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
                  mWork: cute.Tensor,
+                 mUnitCtr: cute.Tensor,
                  softmax_scale: Float32, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  stream: cuda.CUstream):
         self._setup_attributes()
@@ -480,6 +514,7 @@ class AttnBwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sRow: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * self.row_words], 16]
             sAmax: cute.struct.Align[cute.struct.MemRange[Uint32, 2 * self.tile_m], 16]
+            sUnit: cute.struct.Align[cute.struct.MemRange[Int32, 1], 4]  # the next unit, warp 0 → the others
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * DQ_LD], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
@@ -491,13 +526,13 @@ class AttnBwdSm90:
         self.shared_storage = SharedStorage
         HKV = mK.shape[1]
         num_units = mWork.shape[0]
-        grid_x = StaticScheduler.grid(num_units)
+        grid_x = DynamicScheduler.grid(num_units)
         scale_log2 = softmax_scale * Float32(LOG2E)
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tiled_mma_dk, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q,
             tma_atom_do, tma_do,
             tma_atom_dot, tma_dot, mVs, mdOs, sdOt_layout,
-            mLSE, mDelta, mCu, mRowDoc, mWork, mdQacc, mdK, mdV, softmax_scale, scale_log2,
+            mLSE, mDelta, mCu, mRowDoc, mWork, mUnitCtr, mdQacc, mdK, mdV, softmax_scale, scale_log2,
             sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -510,13 +545,9 @@ class AttnBwdSm90:
                tma_atom_dot: cute.CopyAtom, mdOt: cute.Tensor, mVs: cute.Tensor, mdOs: cute.Tensor,
                sdOt_layout: cute.ComposedLayout,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
-               mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+               mWork: cute.Tensor, mUnitCtr: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
-        # one CTA per unit: a padding unit (the unit list's tail: num_units bounds the real ones loosely, and a row of
-        # many short documents leaves most rows padding) ends its CTA before the set-up, so the next one starts
-        if mWork[StaticScheduler.initial_unit(), 0] < 0:
-            exit_cta()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -548,6 +579,7 @@ class AttnBwdSm90:
         sAmax = storage.sAmax.get_tensor(cute.make_layout(2 * self.tile_m))
         sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m, DQ_LD), stride=(DQ_LD, 1)))
         pipeline.pipeline_init_wait()
+        sUnit = storage.sUnit.get_tensor(cute.make_layout(1))
 
         HKV = mK.shape[2]
         num_units = mWork.shape[0]
@@ -556,15 +588,15 @@ class AttnBwdSm90:
             if warp_idx == 0:
                 self.load(tma_atom_k, mK, tma_atom_v, mV, tma_atom_q, mQ, tma_atom_do, mdO,
                           tma_atom_dot, mdOt, mdOs, sdOt,
-                          mLSE, mDelta, mCu, mWork, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
+                          mLSE, mDelta, mCu, mWork, mUnitCtr, sUnit, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units)
             if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):
-                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
+                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tiled_mma_dk,
                      mVs, sdOt,
-                     mCu, mRowDoc, mWork, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
+                     mCu, mRowDoc, mWork, sUnit, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
                      softmax_scale, scale_log2, tidx - 128, HKV, num_units,
                      sdQ)
 
@@ -575,7 +607,8 @@ class AttnBwdSm90:
     def load(self, tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
              tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
              tma_atom_dot: cute.CopyAtom, mdOt: cute.Tensor, mdOs: cute.Tensor, sdOt: cute.Tensor,
-             mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor, sK: cute.Tensor,
+             mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor, mUnitCtr: cute.Tensor,
+             sUnit: cute.Tensor, sK: cute.Tensor,
              sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sRow: cute.Tensor, pipe_kv, pipe_q,
              scale_log2: Float32, HKV: Int32, num_units: Int32):
         HQ = mLSE.shape[0]
@@ -584,9 +617,9 @@ class AttnBwdSm90:
         lane = cute.arch.lane_idx()
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit = StaticScheduler.initial_unit()
+        unit = DynamicScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 k0 = base + n_block * self.tile_n
@@ -661,7 +694,7 @@ class AttnBwdSm90:
                         # q0 is a multiple of KEY_ALIGN: tokens are Qᵀ's / dOᵀ's contiguous axis
                         cute.copy(tma_atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bq)
                         q_state.advance()
-            unit = StaticScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.publish_next(mUnitCtr, sUnit)  # the next unit, to the consumers and the writer(s)
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -671,7 +704,7 @@ class AttnBwdSm90:
     # dQ writer warp (bwd_dq_warp): the bulk reduce-adds of every query tile's dQ partial rows.
     # -----------------------------------------------------------------------------------
     @cute.jit
-    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
+    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
                   num_units: Int32, wk: Int32):
         """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
         consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
@@ -681,9 +714,10 @@ class AttnBwdSm90:
         group = HQ // HKV
         lane = cute.arch.lane_idx()
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-        unit = StaticScheduler.initial_unit()
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
+        unit = DynamicScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 for hh in cutlass.range(group, unroll=1):
@@ -701,7 +735,7 @@ class AttnBwdSm90:
                         cute.arch.cp_async_bulk_commit_group()
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-            unit = StaticScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.receive_next(sUnit)
             if doc < 0:
                 # as the producer: only padding is left for this CTA
                 unit = num_units
@@ -716,7 +750,7 @@ class AttnBwdSm90:
             tiled_mma_s: cute.TiledMma,
             tiled_mma_dk: cute.TiledMma,
             mVs: cute.Tensor, sdOt: cute.Tensor,
-            mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+            mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
             sRow: cute.Tensor, sAmax: cute.Tensor, pipe_kv, pipe_q, softmax_scale: Float32, scale_log2: Float32,
             tidx: Int32, HKV: Int32, num_units: Int32,
@@ -771,9 +805,10 @@ class AttnBwdSm90:
         bufs[0] = Int32(0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit = StaticScheduler.initial_unit()
+        unit = DynamicScheduler.initial_unit()
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = StaticScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
@@ -817,7 +852,7 @@ class AttnBwdSm90:
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
-            unit = StaticScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.receive_next(sUnit)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
 
@@ -1104,9 +1139,10 @@ def compile_args():
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
     row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (nw, 4), stride_order=(1, 0), assumed_align=4)
+    unit_ctr = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     dq_accum = make_fake_compact_tensor(Float32, (t, hq, 64), stride_order=row_major3, assumed_align=16)
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
     dv = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, lse, delta, cu, row_doc, work, Float32(1.0), dq_accum, dk, dv, stream)
+    args = (*inputs, lse, delta, cu, row_doc, work, unit_ctr, Float32(1.0), dq_accum, dk, dv, stream)
     return make_kernel(), args

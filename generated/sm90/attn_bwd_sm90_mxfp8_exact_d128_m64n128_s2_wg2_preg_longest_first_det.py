@@ -76,6 +76,7 @@ PARAMS = {
     "deterministic_dq": True,
     "deterministic": True,
     "bwd_interior_nomask": True,
+    "bwd_sq32_windows": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
     "diag_v": True,
@@ -145,6 +146,8 @@ KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move a
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
 LOG2E = 1.4426950408889634
 SQ32_BARRIER0 = 3  # named barriers 3 … 6: the two warps of each 32-key dS block (dK exponent)
+SQW_KEY0 = 2 * NUM_WG * 4  # sBlk words: the warps' block maxima, then (windows) each key row's max, then each query's group key
+SQW_Q0 = SQW_KEY0 + TILE_N
 DQ_AMAX_CG = 2  # column groups (2 columns each) per batch of the dQ amax reduce-scatter
 DQ_AMAX_SCATTER = 2  # reduce-scatter rounds (log2 of the batch's columns)
 
@@ -611,7 +614,7 @@ class AttnBwdSm90:
             sAmax: cute.struct.Align[cute.struct.MemRange[Uint32, 2 * self.tile_m], 16]
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
-            sBlk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.num_wg * 4], 16]  # dK block amax per warp
+            sBlk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.num_wg * 4 + self.tile_n + self.tile_m], 16]  # dK block amax per warp; windows: key rows, query groups
             sVsave: cute.struct.Align[cute.struct.MemRange[Float32, 8 * self.num_mma_threads], 16]  # dp_diag_v's stash
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdO_layout)], 1024]
@@ -692,7 +695,7 @@ class AttnBwdSm90:
         sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
         sRow = storage.sRow.get_tensor(cute.make_layout(self.stages * self.row_words))
         sAmax = storage.sAmax.get_tensor(cute.make_layout(2 * self.tile_m))
-        sBlk = storage.sBlk.get_tensor(cute.make_layout(2 * self.num_wg * 4))
+        sBlk = storage.sBlk.get_tensor(cute.make_layout(2 * self.num_wg * 4 + self.tile_n + self.tile_m))
         sVsave = storage.sVsave.get_tensor(cute.make_layout((8, self.num_mma_threads), stride=(1, 8)))
         pipeline.pipeline_init_wait()
 
@@ -953,6 +956,8 @@ class AttnBwdSm90:
                         # two compile-time copies of one_tile: interior tiles skip the mask arithmetic;
                         # the order of the query tiles (dV/dK running references, dQ turns) is unchanged
                         vmode = diag_v_mode(n_block, m_block, delta, fwd_tile_m)
+                        if window != 0:
+                            vmode = Int32(2)  # the forward read the per-token copies on every pair of a window's documents
                         if (m_block >= i_lo) & (m_block < i_hi) & (vmode == 0):
                             q_state = self.one_tile(
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
@@ -1166,11 +1171,29 @@ class AttnBwdSm90:
             blk = fmax_nan(blk, cute.arch.shuffle_sync_bfly(blk, offset=1 << sh))
         warp = tidx // 32
         sBlk[warp] = blk
+        # a window: each key row's max (over this query tile) to shared memory, for the block ∩ document maxima below
+        # (interior tiles are never a window's: only the masked copy of one_tile has the code)
+        if const_expr(mask):
+            if window != 0:
+                for rh in cutlass.range_constexpr(2):
+                    rmx = quad_max_nan(mx[rh])
+                    if tidx % 4 == 0:
+                        sBlk[SQW_KEY0 + tScS[2 * rh][0]] = rmx
         cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)
         blk = fmax_nan(blk, sBlk[warp ^ 1])
         e_blk = ds_exponent(blk)
         for rh in cutlass.range_constexpr(2):
             e = e_blk
+            if const_expr(mask):
+                if window != 0:
+                    # the block cut to this key's document ([klim lo, hi) in the tile's document coordinates, as the keys)
+                    b0 = (tScS[2 * rh][0] // 32) * 32
+                    lo = cutlass.max(klim[rh] - key0, b0)
+                    hi = cutlass.min(klim[2 + rh] - key0, b0 + 32)
+                    g = Float32(0.0)
+                    for j in cutlass.range(cutlass.max(hi - lo, 0), unroll=1):
+                        g = fmax_nan(g, sBlk[SQW_KEY0 + lo + j])
+                    e = ds_exponent(g)
             if e > run[rh]:
                 f = pow2i(run[rh] - e)
                 for i in cutlass.range_constexpr(cute.size(acc_dK)):

@@ -73,6 +73,9 @@ PARAMS = {
     "deterministic_dq": False,
     "bwd_interior_nomask": True,
     "bwd_dq_bulk": True,
+    "bwd_head_section": 2,
+    "bwd_dynamic": True,
+    "bwd_sq32_windows": True,
     "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
@@ -104,7 +107,8 @@ ARGS = [
     {"name": "delta", "dtype": "float32", "shape": ["HQ", "T"], "role": "in"},
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
     {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
-    {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
+    {"name": "work", "dtype": "int32", "shape": ["NUM_UNITS", "4"], "role": "in"},
+    {"name": "unit_counter", "dtype": "int32", "shape": ["1"], "role": "inout"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "dq_accum", "dtype": "float32", "shape": ["T", "HQ", "D"], "role": "inout"},
     {"name": "dk", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
@@ -128,6 +132,8 @@ KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move a
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
 LOG2E = 1.4426950408889634
 SQ32_BARRIER0 = 3  # named barriers 3 … 6: the two warps of each 32-key dS block (dK exponent)
+SQW_KEY0 = 2 * NUM_WG * 4  # sBlk words: the warps' block maxima, then (windows) each key row's max, then each query's group key
+SQW_Q0 = SQW_KEY0 + TILE_N
 DQ_AMAX_CG = 2  # column groups (2 columns each) per batch of the dQ amax reduce-scatter
 DQ_AMAX_SCATTER = 2  # reduce-scatter rounds (log2 of the batch's columns)
 
@@ -309,12 +315,29 @@ def pow2i_ds_key(k):
     return bits_f32(Uint32(cutlass.max(Int32(k) - Int32(8), Int32(0))) << Uint32(23))
 
 
+def _asm_volatile(ret, args, code, cons, loc, ip):
+    """Inline PTX with side effects (never reordered or dropped): the semaphores, the padding exit, the unit counter."""
+    return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+UNIT_FULL_BAR = 9  # named barriers of the unit hand-over (bwd_dynamic): warp 0 → consumers and writer warp(s)
+UNIT_EMPTY_BAR = 10
+UNIT_THREADS = 32 + 128 * 2 + 32 * 2  # warp 0, the consumers, the writer warp(s)
+
+
+@dsl_user_op
+def atomic_add_i32(ptr, val, *, loc=None, ip=None):
+    """int32 global atomic add (relaxed, GPU scope): the old value."""
+    return Int32(_asm_volatile(_T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                          Int32(val).ir_value(loc=loc, ip=ip)],
+                               "atom.global.add.s32 $0, [$1], $2;", "=r,l,r,~{memory}", loc, ip))
+
 # ---------------------------------------------------------------------------------------
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.
 # ---------------------------------------------------------------------------------------
-class LongestFirstScheduler:
+class DynamicScheduler:
     """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
-    Consecutive units are the KV heads of one item, so every head of the longest item starts first."""
+    Units are the rows of the unit list (runtime.attn_bwd.head_units): KV heads in sections, longest-first in each."""
 
     @staticmethod
     def grid(num_units):
@@ -324,6 +347,32 @@ class LongestFirstScheduler:
     def initial_unit():
         bid, _, _ = cute.arch.block_idx()
         return Int32(bid)
+
+    @staticmethod
+    @cute.jit
+    def publish_next(mUnitCtr: cute.Tensor, sUnit: cute.Tensor):
+        """Warp 0 (every lane): lane 0 takes the next unit from the counter (units below the grid size went to the CTAs
+        by index), waits until the others have read the last one (UNIT_EMPTY), writes it and releases it (UNIT_FULL)."""
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        v = Int32(0)
+        if lane == 0:
+            v = atomic_add_i32(mUnitCtr.iterator, 1) + Int32(gdim)
+        v = cute.arch.shuffle_sync(v, 0)
+        cute.arch.barrier(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        if lane == 0:
+            sUnit[0] = v
+        cute.arch.barrier_arrive(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        return v
+
+    @staticmethod
+    @cute.jit
+    def receive_next(sUnit: cute.Tensor):
+        """The consumer warpgroups and the dQ writer warp(s): the unit warp 0 published, then its slot back."""
+        cute.arch.barrier(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        v = sUnit[0]
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        return v
 
     @staticmethod
     def next_unit(unit, num_units):
@@ -336,8 +385,8 @@ class LongestFirstScheduler:
         """(doc, n_block, hkv, doc_start, doc_len, window); doc < 0 marks a padding entry. `doc` is a
         document of the work list's cu_seqlens: a real document, or (window = 1) a window of whole
         short documents that the runtime merged (runtime.attn_bwd.bwd_schedule)."""
-        item = unit // HKV
-        hkv = unit - item * HKV
+        item = unit  # a unit list (runtime.attn_bwd.head_units): the KV head is the row's last column
+        hkv = mWork[item, 3]
         doc = mWork[item, 0]
         n_block = mWork[item, 1]
         window = mWork[item, 2]
@@ -509,6 +558,7 @@ class AttnBwdSm90:
                  mdOt: cute.Tensor, mdOs: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
                  mWork: cute.Tensor,
+                 mUnitCtr: cute.Tensor,
                  softmax_scale: Float32, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mVd: cute.Tensor, mVds: cute.Tensor, fwd_tile_m: Int32,
                  mQkts: cute.Tensor,
@@ -548,10 +598,11 @@ class AttnBwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sRow: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * self.row_words], 16]
             sAmax: cute.struct.Align[cute.struct.MemRange[Uint32, 2 * self.tile_m], 16]
+            sUnit: cute.struct.Align[cute.struct.MemRange[Int32, 1], 4]  # the next unit, warp 0 → the others
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * DQ_LD], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
-            sBlk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.num_wg * 4], 16]  # dK block amax per warp
+            sBlk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.num_wg * 4 + self.tile_n + self.tile_m], 16]  # dK block amax per warp; windows: key rows, query groups
             sVsave: cute.struct.Align[cute.struct.MemRange[Float32, 8 * self.num_mma_threads], 16]  # dp_diag_v's stash
             sQ: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdO_layout)], 1024]
@@ -562,15 +613,15 @@ class AttnBwdSm90:
 
         self.shared_storage = SharedStorage
         HKV = mK.shape[1]
-        num_units = mWork.shape[0] * HKV
-        grid_x = LongestFirstScheduler.grid(num_units)
+        num_units = mWork.shape[0]
+        grid_x = DynamicScheduler.grid(num_units)
         scale_log2 = softmax_scale * Float32(LOG2E)
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q,
             tma_atom_do, tma_do,
             tma_atom_kt, tma_kt, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQs, mKs, mVs, mdOs,
             sKt_layout, sQt_layout, sdOt_layout,
-            mLSE, mDelta, mCu, mRowDoc, mWork, mdQacc, mdK, mdV, softmax_scale, scale_log2,
+            mLSE, mDelta, mCu, mRowDoc, mWork, mUnitCtr, mdQacc, mdK, mdV, softmax_scale, scale_log2,
             sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout,
             tma_atom_vd, tma_vd, mVds, fwd_tile_m,
             mQkts,
@@ -586,7 +637,7 @@ class AttnBwdSm90:
                mVs: cute.Tensor, mdOs: cute.Tensor, sKt_layout: cute.ComposedLayout,
                sQt_layout: cute.ComposedLayout, sdOt_layout: cute.ComposedLayout,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
-               mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
+               mWork: cute.Tensor, mUnitCtr: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                tma_atom_vd: cute.CopyAtom, mVd: cute.Tensor, mVds: cute.Tensor, fwd_tile_m: Int32, mQkts: cute.Tensor):
@@ -624,27 +675,28 @@ class AttnBwdSm90:
         sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
         sRow = storage.sRow.get_tensor(cute.make_layout(self.stages * self.row_words))
         sAmax = storage.sAmax.get_tensor(cute.make_layout(2 * self.tile_m))
-        sBlk = storage.sBlk.get_tensor(cute.make_layout(2 * self.num_wg * 4))
+        sBlk = storage.sBlk.get_tensor(cute.make_layout(2 * self.num_wg * 4 + self.tile_n + self.tile_m))
         sVsave = storage.sVsave.get_tensor(cute.make_layout((8, self.num_mma_threads), stride=(1, 8)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m, DQ_LD), stride=(DQ_LD, 1)))
         pipeline.pipeline_init_wait()
+        sUnit = storage.sUnit.get_tensor(cute.make_layout(1))
 
         HKV = mK.shape[2]
-        num_units = mWork.shape[0] * HKV
+        num_units = mWork.shape[0]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 self.load(tma_atom_k, mK, tma_atom_v, mV, tma_atom_q, mQ, tma_atom_do, mdO,
                           tma_atom_kt, mKt, tma_atom_qt, mQt, tma_atom_dot, mdOt, mQs, mdOs, sKt, sQt, sdOt,
-                          mLSE, mDelta, mCu, mWork, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
+                          mLSE, mDelta, mCu, mWork, mUnitCtr, sUnit, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units, tma_atom_vd, mVd, mQkts)
             if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):
-                self.dq_writer(mCu, mWork, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
+                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s,
                      mKs, mVs, sKt, sQt, sdOt,
-                     mCu, mRowDoc, mWork, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
+                     mCu, mRowDoc, mWork, sUnit, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
                      softmax_scale, scale_log2, tidx - 128, HKV, num_units,
                      sdQ,
                      mVds, fwd_tile_m, sVsave, sBlk)
@@ -658,7 +710,8 @@ class AttnBwdSm90:
              tma_atom_kt: cute.CopyAtom, mKt: cute.Tensor, tma_atom_qt: cute.CopyAtom, mQt: cute.Tensor,
              tma_atom_dot: cute.CopyAtom, mdOt: cute.Tensor, mQs: cute.Tensor, mdOs: cute.Tensor,
              sKt: cute.Tensor, sQt: cute.Tensor, sdOt: cute.Tensor,
-             mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor, sK: cute.Tensor,
+             mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mWork: cute.Tensor, mUnitCtr: cute.Tensor,
+             sUnit: cute.Tensor, sK: cute.Tensor,
              sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sRow: cute.Tensor, pipe_kv, pipe_q,
              scale_log2: Float32, HKV: Int32, num_units: Int32, tma_atom_vd: cute.CopyAtom,
              mVd: cute.Tensor,
@@ -670,9 +723,9 @@ class AttnBwdSm90:
         qk_scale_log2 = mQkts[0] * scale_log2  # as the forward's x
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = DynamicScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 k0 = base + n_block * self.tile_n
@@ -765,7 +818,7 @@ class AttnBwdSm90:
                         cute.copy(tma_atom_qt, tQtgQt[None, m_block], tQtsQt[None, q_state.index], tma_bar_ptr=bq)
                         cute.copy(tma_atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bq)
                         q_state.advance()
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.publish_next(mUnitCtr, sUnit)  # the next unit, to the consumers and the writer(s)
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -775,7 +828,7 @@ class AttnBwdSm90:
     # dQ writer warp (bwd_dq_warp): the bulk reduce-adds of every query tile's dQ partial rows.
     # -----------------------------------------------------------------------------------
     @cute.jit
-    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
+    def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
                   num_units: Int32, wk: Int32):
         """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
         consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
@@ -785,9 +838,10 @@ class AttnBwdSm90:
         group = HQ // HKV
         lane = cute.arch.lane_idx()
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-        unit = LongestFirstScheduler.initial_unit()
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
+        unit = DynamicScheduler.initial_unit()
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 for hh in cutlass.range(group, unroll=1):
@@ -805,7 +859,7 @@ class AttnBwdSm90:
                         cute.arch.cp_async_bulk_commit_group()
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR, number_of_threads=DQ_WARP_THREADS)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.receive_next(sUnit)
             if doc < 0:
                 # as the producer: only padding is left for this CTA
                 unit = num_units
@@ -819,7 +873,7 @@ class AttnBwdSm90:
     def mma(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
             tiled_mma_s: cute.TiledMma,
             mKs: cute.Tensor, mVs: cute.Tensor, sKt: cute.Tensor, sQt: cute.Tensor, sdOt: cute.Tensor,
-            mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+            mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
             sRow: cute.Tensor, sAmax: cute.Tensor, pipe_kv, pipe_q, softmax_scale: Float32, scale_log2: Float32,
             tidx: Int32, HKV: Int32, num_units: Int32,
@@ -874,9 +928,10 @@ class AttnBwdSm90:
         bufs[0] = Int32(0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit = LongestFirstScheduler.initial_unit()
+        unit = DynamicScheduler.initial_unit()
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
         while unit < num_units:
-            doc, n_block, hkv, doc_start, doc_len, window = LongestFirstScheduler.decode(unit, mWork, mCu, HKV)
+            doc, n_block, hkv, doc_start, doc_len, window = DynamicScheduler.decode(unit, mWork, mCu, HKV)
             base, delta, m_lo, m_hi = bwd_tiling(n_block, doc_start, doc_len)
             if (doc >= 0) & (m_lo < m_hi):
                 key0 = n_block * n - delta  # document-local key of row 0 of the key tile
@@ -910,6 +965,8 @@ class AttnBwdSm90:
                         # two compile-time copies of one_tile: interior tiles skip the mask arithmetic;
                         # the order of the query tiles (dV/dK running references, dQ turns) is unchanged
                         vmode = diag_v_mode(n_block, m_block, delta, fwd_tile_m)
+                        if window != 0:
+                            vmode = Int32(2)  # the forward read the per-token copies on every pair of a window's documents
                         if (m_block >= i_lo) & (m_block < i_hi) & (vmode == 0):
                             q_state = self.one_tile(
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
@@ -925,7 +982,7 @@ class AttnBwdSm90:
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = DynamicScheduler.receive_next(sUnit)
             if doc < 0:
                 unit = num_units  # as the producer: only padding is left for this CTA
 
@@ -1112,11 +1169,29 @@ class AttnBwdSm90:
             blk = fmax_nan(blk, cute.arch.shuffle_sync_bfly(blk, offset=1 << sh))
         warp = tidx // 32
         sBlk[warp] = blk
+        # a window: each key row's max (over this query tile) to shared memory, for the block ∩ document maxima below
+        # (interior tiles are never a window's: only the masked copy of one_tile has the code)
+        if const_expr(mask):
+            if window != 0:
+                for rh in cutlass.range_constexpr(2):
+                    rmx = quad_max_nan(mx[rh])
+                    if tidx % 4 == 0:
+                        sBlk[SQW_KEY0 + tScS[2 * rh][0]] = rmx
         cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)
         blk = fmax_nan(blk, sBlk[warp ^ 1])
         e_blk = ds_exponent(blk)
         for rh in cutlass.range_constexpr(2):
             e = e_blk
+            if const_expr(mask):
+                if window != 0:
+                    # the block cut to this key's document ([klim lo, hi) in the tile's document coordinates, as the keys)
+                    b0 = (tScS[2 * rh][0] // 32) * 32
+                    lo = cutlass.max(klim[rh] - key0, b0)
+                    hi = cutlass.min(klim[2 + rh] - key0, b0 + 32)
+                    g = Float32(0.0)
+                    for j in cutlass.range(cutlass.max(hi - lo, 0), unroll=1):
+                        g = fmax_nan(g, sBlk[SQW_KEY0 + lo + j])
+                    e = ds_exponent(g)
             if e > run[rh]:
                 f = pow2i(run[rh] - e)
                 for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -1163,6 +1238,22 @@ class AttnBwdSm90:
             col = tScS[0][1] + Int32(8) * cg_own + cp_own
             cute.arch.atomic_max(sAmax.iterator + (buf * m + col), ds_key(am[0]))
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
+        # a window: query column t's key is the max over its 32-column block cut to its document (one thread per column)
+        dq_win = window != 0
+        if const_expr(not mask):
+            dq_win = False  # interior tiles are never a window's
+        if dq_win:
+            if tidx < m:
+                gk = Int32(0)
+                tok = q_tok0 + tidx
+                if (tok >= 0) & (tok < mRowDoc.shape[0]):
+                    b0 = (tidx // 32) * 32
+                    lo = cutlass.max(mRowDoc[tok, 0] - q_tok0, b0)
+                    hi = cutlass.min(mRowDoc[tok, 1] - q_tok0, b0 + 32)
+                    for j in cutlass.range(cutlass.max(hi - lo, 0), unroll=1):
+                        gk = cutlass.max(gk, Int32(sAmax[buf * m + lo + j]))
+                sBlk[SQW_Q0 + tidx] = Float32(gk)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         # square_32: a query row's exponent is its 32-row block's (tile grid), the max of the block's column keys:
         # the thread's columns 8·cg + 2t + cp of the block, then over the quad (t = 0 … 3)
         bk = cute.make_rmem_tensor((2,), Int32)
@@ -1177,11 +1268,15 @@ class AttnBwdSm90:
         for cg in cutlass.range_constexpr(8):
             f = pow2i_neg_ds_key(bk[cg // 4])
             for cp in cutlass.range_constexpr(2):
+                if dq_win:
+                    f = pow2i_neg_ds_key(Int32(sBlk[SQW_Q0 + tScS[4 * cg][1] + cp]))
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
             kb = cutlass.select_(tdQcdQ[2 * rh][0] >= 32, bk[1], bk[0])
+            if dq_win:
+                kb = Int32(sBlk[SQW_Q0 + tdQcdQ[2 * rh][0]])
             dqf[rh] = pow2i_ds_key(kb) * softmax_scale
         rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
@@ -1330,11 +1425,12 @@ def compile_args():
     delta = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
     row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (nw, 4), stride_order=(1, 0), assumed_align=4)
+    unit_ctr = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     dq_accum = make_fake_compact_tensor(Float32, (t, hq, 64), stride_order=row_major3, assumed_align=16)
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
     dv = make_fake_compact_tensor(BFloat16, (t, hkv, 64), stride_order=row_major3, assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, lse, delta, cu, row_doc, work, Float32(1.0), dq_accum, dk, dv, codes(hkv), scales(hkv), Int32(128),
+    args = (*inputs, lse, delta, cu, row_doc, work, unit_ctr, Float32(1.0), dq_accum, dk, dv, codes(hkv), scales(hkv), Int32(128),
 make_fake_compact_tensor(Float32, (1,), assumed_align=4), stream)
     return make_kernel(), args

@@ -59,6 +59,7 @@ PARAMS = {
     "k_row_perm": True,
     "fwd_window_pass": True,
     "ex2_ring": True,
+    "fwd_dynamic": True,
     "sm_count": 132,
     "spec_hash": "f6aeccfd77121703",
     "flamia_version": "0.1.0",
@@ -76,6 +77,7 @@ ARGS = [
     {"name": "cu_seqlens", "dtype": "int32", "shape": ["NUM_DOCS+1"], "role": "in"},
     {"name": "row_doc", "dtype": "int32", "shape": ["T", "2"], "role": "in"},
     {"name": "work", "dtype": "int32", "shape": ["NUM_WORK", "3"], "role": "in"},
+    {"name": "unit_counter", "dtype": "int32", "shape": ["1"], "role": "inout"},
     {"name": "softmax_scale", "dtype": "float32", "shape": [], "role": "scalar"},
     {"name": "o", "dtype": "bfloat16", "shape": ["T", "HQ", "D"], "role": "out"},
     {"name": "lse", "dtype": "float32", "shape": ["HQ", "T"], "role": "out"},
@@ -91,6 +93,9 @@ SM_COUNT = 132
 KEY_ALIGN = 16  # keys: the Vᵀ TMA's innermost coordinate must be a multiple of 16 bytes
 K_ROW_PERM = True  # K tile rows permuted within 16-key groups (key_of_col)
 EX2_RING_BAR0 = 5  # named barriers 5 … 4 + NUM_WG (1 … NUM_WG: the epilogue's, 3 and 4: the ping-pong's)
+UNIT_FULL_BAR = 8  # named barriers of the unit hand-over (fwd_dynamic): warp 0 → the consumer warpgroups
+UNIT_EMPTY_BAR = 9
+UNIT_THREADS = 32 + 128 * 2  # warp 0 and the consumers
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -101,6 +106,20 @@ LN2 = 0.6931471805599453
 def _asm(ret, args, code, cons, loc, ip):
     return llvm.inline_asm(ret, args, code, cons, has_side_effects=False, is_align_stack=False,
                            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _asm_volatile(ret, args, code, cons, loc, ip):
+    """Inline PTX with side effects (never reordered or dropped): the unit counter."""
+    return llvm.inline_asm(ret, args, code, cons, has_side_effects=True, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atomic_add_i32(ptr, val, *, loc=None, ip=None):
+    """int32 global atomic add (relaxed, GPU scope): the old value."""
+    return Int32(_asm_volatile(_T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                          Int32(val).ir_value(loc=loc, ip=ip)],
+                               "atom.global.add.s32 $0, [$1], $2;", "=r,l,r,~{memory}", loc, ip))
 
 
 @dsl_user_op
@@ -196,6 +215,32 @@ class LongestFirstScheduler:
     def initial_unit():
         bid, _, _ = cute.arch.block_idx()
         return Int32(bid)
+
+    @staticmethod
+    @cute.jit
+    def publish_next(mUnitCtr: cute.Tensor, sUnit: cute.Tensor):
+        """Warp 0 (every lane): lane 0 takes the next unit from the counter (units below the grid size went to the CTAs
+        by index), waits until the consumers have read the last one (UNIT_EMPTY), writes it and releases it (UNIT_FULL)."""
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        v = Int32(0)
+        if lane == 0:
+            v = atomic_add_i32(mUnitCtr.iterator, 1) + Int32(gdim)
+        v = cute.arch.shuffle_sync(v, 0)
+        cute.arch.barrier(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        if lane == 0:
+            sUnit[0] = v
+        cute.arch.barrier_arrive(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        return v
+
+    @staticmethod
+    @cute.jit
+    def receive_next(sUnit: cute.Tensor):
+        """The consumer warpgroups: the unit warp 0 published, then its slot back."""
+        cute.arch.barrier(barrier_id=UNIT_FULL_BAR, number_of_threads=UNIT_THREADS)
+        v = sUnit[0]
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)
+        return v
 
     @staticmethod
     def next_unit(unit, num_units):
@@ -345,7 +390,7 @@ class AttnFwdSm90:
                  mKs: cute.Tensor,
                  mV: cute.Tensor,
                  mVs: cute.Tensor,
-                 mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, softmax_scale: Float32,
+                 mCu: cute.Tensor, mRowDoc: cute.Tensor, mWork: cute.Tensor, mUnitCtr: cute.Tensor, softmax_scale: Float32,
                  mO: cute.Tensor, mLSE: cute.Tensor, stream: cuda.CUstream):
         self._setup_attributes()
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -368,6 +413,7 @@ class AttnFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * self.scale_words], 16]
+            sUnit: cute.struct.Align[cute.struct.MemRange[Int32, 1], 4]  # the next unit, warp 0 → the consumers
             sO: cute.struct.Align[cute.struct.MemRange[Uint32, self.tile_m * self.o_row_words], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sK_layout)], 1024]
@@ -381,7 +427,7 @@ class AttnFwdSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
             mQs, mKs, mVs,
-            mCu, mWork, mRowDoc, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
+            mCu, mWork, mUnitCtr, mRowDoc, mO, mLSE, scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -389,7 +435,7 @@ class AttnFwdSm90:
                tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
                tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
                mQs: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor,
-               mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mCu: cute.Tensor, mWork: cute.Tensor, mUnitCtr: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                scale_log2: Float32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -418,6 +464,7 @@ class AttnFwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sScale = storage.sScale.get_tensor(cute.make_layout(self.stages * self.scale_words))
         sO = storage.sO.get_tensor(cute.make_layout(self.tile_m * self.o_row_words))
+        sUnit = storage.sUnit.get_tensor(cute.make_layout(1))
         pipeline.pipeline_init_wait()
 
         HQ = mO.shape[1]
@@ -427,12 +474,12 @@ class AttnFwdSm90:
             if warp_idx == 0:
                 self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV,
                           mKs, mVs,
-                          mCu, mWork, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, HQ, num_units)
+                          mCu, mWork, mUnitCtr, sUnit, sQ, sK, sV, sScale, pipe_q, pipe_k, pipe_v, HQ, num_units)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_qk, tiled_mma_pv,
                      mQs,
-                     mCu, mWork, mRowDoc, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
+                     mCu, mWork, sUnit, mRowDoc, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
                      tidx - 128, HQ, num_units)
 
     # -----------------------------------------------------------------------------------
@@ -442,7 +489,7 @@ class AttnFwdSm90:
     def load(self, tma_atom_q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
              tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
              mKs: cute.Tensor, mVs: cute.Tensor,
-             mCu: cute.Tensor, mWork: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+             mCu: cute.Tensor, mWork: cute.Tensor, mUnitCtr: cute.Tensor, sUnit: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
              sScale: cute.Tensor, pipe_q, pipe_k, pipe_v, HQ: Int32, num_units: Int32):
         HKV = mKs.shape[1]
         T = mKs.shape[0]
@@ -496,7 +543,7 @@ class AttnFwdSm90:
                     cute.copy(tma_atom_v, tVgV[None, n], tVsV[None, kv_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = LongestFirstScheduler.publish_next(mUnitCtr, sUnit)  # the next unit, to the consumers
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -542,7 +589,7 @@ class AttnFwdSm90:
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             mQs: cute.Tensor,
-            mCu: cute.Tensor, mWork: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+            mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sScale: cute.Tensor, sO: cute.Tensor,
             pipe_q, pipe_k, pipe_v, scale_log2: Float32, tidx: Int32, HQ: Int32, num_units: Int32):
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -566,6 +613,7 @@ class AttnFwdSm90:
         # ex2_ring: the first turn is warpgroup 0's (the last one's arrive); one arrive stays pending at exit
         if wg == 1:
             cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0, number_of_threads=256)
+        cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit = LongestFirstScheduler.initial_unit()
@@ -610,7 +658,7 @@ class AttnFwdSm90:
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 self.epilogue(acc_O, tOcO, row_max, row_sum, mO, mLSE, sO, q0, row0, doc_len, head, wg, tidx)
-            unit = LongestFirstScheduler.next_unit(unit, num_units)
+            unit = LongestFirstScheduler.receive_next(sUnit)
             if doc < 0:
                 # padding entries come last in the work list (longest-first order) and this CTA's units
                 # only grow: nothing is left for it (tiny documents leave ~NUM_DOCS padding entries)
@@ -841,8 +889,9 @@ def compile_args():
     cu = make_fake_compact_tensor(Int32, (nd1,), assumed_align=4)
     row_doc = make_fake_compact_tensor(Int32, (t, 2), stride_order=(1, 0), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (nw, 3), stride_order=(1, 0), assumed_align=4)
+    unit_counter = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     o = make_fake_compact_tensor(BFloat16, (t, hq, 128), stride_order=row_major3, assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (hq, t), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, cu, row_doc, work, Float32(1.0), o, lse, stream)
+    args = (*inputs, cu, row_doc, work, unit_counter, Float32(1.0), o, lse, stream)
     return make_kernel(), args

@@ -198,10 +198,10 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, hs0, hs1, dyn),
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
     # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two
     # writers)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 2 + 2
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 8 + 4 + 4 * 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqtma":
@@ -209,15 +209,17 @@ def test_bwd_experiments_variants_names_and_support():
             assert '"bwd_dq_tma": True' in _render(v)
         elif tag == "dqw2":
             assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render(v)
-        elif tag in ("dyn", "dyndet"):
+        elif tag in ("dhs1", "dyndet"):
             src = _render(v)
             assert bool(dict(v.params).get("deterministic")) is (tag == "dyndet")
             assert "class DynamicScheduler:" in src and '"bwd_dynamic": True' in src
-        elif tag in ("pers", "hs0", "hs1"):
+            assert ('"bwd_head_section": 1' in src) is (tag == "dhs1")
+        elif tag in ("pers", "onecta", "hs0", "hs1"):
             src = _render(v)
-            assert "deterministic" not in dict(v.params)
+            assert "deterministic" not in dict(v.params) and "class DynamicScheduler:" not in src
             assert ("class LongestFirstScheduler:" in src) is (tag == "pers")
-            assert ('"bwd_head_section": 1' in src) is (tag == "hs1") and '"bwd_head_section": 2' not in src
+            assert ('"bwd_head_section": 1' in src) is (tag == "hs1")
+            assert ('"bwd_head_section": 2' in src) is (tag == "onecta")
         elif tag == "s3":
             assert v.route == "fp8_token" and dict(v.params)["stages"] == 3 and "STAGES = 3" in _render(v)
         elif tag in ("nodqwarp", "noqperm", "r12"):

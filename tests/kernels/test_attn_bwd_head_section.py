@@ -29,47 +29,58 @@ def _literal(src: str, name: str):
     return ast.literal_eval(node.value)
 
 
-def _one_cta_by_default(p: dict) -> bool:
-    """The template's BWD_PERSISTENT_DEFAULT, negated: no ordered dQ, no tensor-scaled dS (fp8_tensor's two launches),
-    no 32×32-block dS (its schedule has no windows)."""
-    return not p.get("deterministic") and p.get("ds_gran") not in ("tensor", "square_32")
+def _dynamic_by_default(p: dict) -> bool:
+    """The template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (fp8_tensor's two launches)."""
+    return not p.get("deterministic") and p.get("ds_gran") != "tensor"
 
 
-def test_one_cta_per_unit_and_two_head_sections_by_default_where_the_schedule_allows():
-    """Default: one CTA per unit (the static class, grid = units) with the KV heads in sections of 2; persistent (and
-    no unit list) for the deterministic dQ, fp8_tensor and the 32×32-block dS. The experiment module's predicate
-    agrees with the template."""
-    from flamia_gen.bench.bwd_experiments import _one_cta_per_unit
+def test_dynamic_scheduler_and_two_head_sections_by_default_where_the_schedule_allows():
+    """Default: persistent CTAs that take units from the counter (the dynamic class, grid = min(units, SMs)) with the KV
+    heads in sections of 2; the round-robin (and no unit list) for the deterministic dQ and fp8_tensor. The experiment
+    module's predicate agrees with the template. No default renders one CTA per unit (nor its padding exit)."""
+    from flamia_gen.bench.bwd_experiments import _dynamic_default
 
     seen = {True: 0, False: 0}
     for v in BWD:
         src = _render(v)
         p = _literal(src, "PARAMS")
-        one = _one_cta_by_default(dict(v.params))
-        assert one == _one_cta_per_unit(dict(v.params)), v.name
-        seen[one] += 1
-        if one:
-            assert p.get("bwd_persistent") is False and p.get("bwd_head_section") == 2, v.name
-            assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src, v.name
-            # a padding unit's CTA leaves before any set-up (its first statement), every thread of it
-            body = src[src.index("    def kernel(self"):]
-            body = body[body.index("):\n") + 3:]
-            first = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")][:2]
-            assert first == ["if mWork[StaticScheduler.initial_unit(), 0] < 0:", "exit_cta()"], (v.name, first)
+        dyn = _dynamic_by_default(dict(v.params))
+        assert dyn == _dynamic_default(dict(v.params)), v.name
+        seen[dyn] += 1
+        assert "class StaticScheduler:" not in src and "exit_cta" not in src and "bwd_persistent" not in p, v.name
+        if dyn:
+            assert p.get("bwd_dynamic") is True and p.get("bwd_head_section") == 2, v.name
+            assert "class DynamicScheduler:" in src and "unit_counter" in src, v.name
         else:
-            assert "bwd_persistent" not in p and "bwd_head_section" not in p, v.name
-            assert "class LongestFirstScheduler:" in src and "exit_cta" not in src, v.name
+            assert "bwd_dynamic" not in p and "bwd_head_section" not in p and "unit_counter" not in src, v.name
+            assert "class LongestFirstScheduler:" in src, v.name
     assert seen[True] >= 8 and seen[False] >= 8
+    assert any(dict(v.params).get("ds_gran") == "square_32" and _dynamic_by_default(dict(v.params)) for v in BWD)
     det = next(x for x in BWD if dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="deterministic_dq_needs_a_persistent_scheduler"):
         _render(det, bwd_persistent=False)
     assert _literal(_render(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2  # sections keep its order
 
 
+def test_one_cta_per_unit_renders_the_padding_exit_first():
+    """bwd_persistent off (the thirteenth session's default, tag onecta): the static class, sections of 2, and a padding
+    unit's CTA leaves before any set-up (its first statement), every thread of it."""
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    src = _render(v, bwd_persistent=False)
+    p = _literal(src, "PARAMS")
+    assert p.get("bwd_persistent") is False and p.get("bwd_head_section") == 2 and "bwd_dynamic" not in p
+    assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src and "unit_counter" not in src
+    body = src[src.index("    def kernel(self"):]
+    body = body[body.index("):\n") + 3:]
+    first = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")][:2]
+    assert first == ["if mWork[StaticScheduler.initial_unit(), 0] < 0:", "exit_cta()"], first
+
+
 def test_flag_renders_the_unit_list():
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    off = _render(v, bwd_persistent=True, bwd_head_section=0)
+    off = _render(v, bwd_dynamic=False, bwd_head_section=0)
     assert "bwd_head_section" not in _literal(off, "PARAMS") and "bwd_persistent" not in _literal(off, "PARAMS")
     assert next(a for a in _literal(off, "ARGS") if a["name"] == "work")["shape"] == ["NUM_WORK", "3"]
     assert "hkv = mWork[item, 3]" not in off
@@ -84,27 +95,26 @@ def test_flag_renders_the_unit_list():
 
 @pytest.mark.compile
 def test_compile_head_sections_one_cta_per_unit(compile_sm90):
-    """Cross-compiles the flag with the one-CTA-per-unit scheduler (the A/B copy `nph2` of bench.bwd_experiments)."""
+    """Cross-compiles the flag with the one-CTA-per-unit scheduler (the A/B copy `onecta` of bench.bwd_experiments)."""
     v = next(x for x in BWD if x.route == "bf16" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    ptx = compile_sm90(v)  # the default: bwd_persistent off, bwd_head_section 2
+    ptx = compile_sm90(v, source=_render(v, bwd_persistent=False))  # bwd_head_section 2 by default
     assert "cp.reduce.async.bulk" in ptx
     assert len(re.findall(r"^\s*exit;", ptx, re.M)) == 1  # the padding unit's early exit
 
 
-# ---------------------------------------------------------------- bwd_dynamic (compiled, not yet run on a GPU)
+# ---------------------------------------------------------------- bwd_dynamic (the default since 2026-12-02)
 
 
 def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
-    """bwd_dynamic: off by default (no variant renders it); on, the ARGS take `unit_counter` after `work`, warp 0 publishes
+    """bwd_dynamic (the default where the schedule allows): the ARGS take `unit_counter` after `work`, warp 0 publishes
     each next unit (an atomic add on the counter, UNIT_EMPTY then UNIT_FULL) and every other role receives it (UNIT_FULL
     then UNIT_EMPTY, after one UNIT_EMPTY arrive before its loop); the barrier counts include exactly the warps that
     take part; refused with one CTA per unit or fp8_tensor's two launches."""
-    for v in BWD:
-        assert "DynamicScheduler" not in _render(v) and "unit_counter" not in _render(v), v.name
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    src = _render(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
+    src = _render(v)
+    assert src == _render(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
     names = [a["name"] for a in _literal(src, "ARGS")]
     assert names[names.index("work") + 1] == "unit_counter"
     assert _literal(src, "PARAMS")["bwd_dynamic"] is True
@@ -125,7 +135,7 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     det = next(x for x in BWD if x.route == "fp8_token" and dict(x.params).get("deterministic"))
     assert re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2  #", _render(det, bwd_dynamic=True), re.M)  # no writer warp
     with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
-        _render(v, bwd_dynamic=True)  # the default here is one CTA per unit
+        _render(v, bwd_dynamic=True, bwd_persistent=False)
     dst = next(x for x in BWD if x.route == "fp8_tensor")
     with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
         _render(dst, bwd_dynamic=True)
@@ -136,17 +146,15 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
 def test_compile_dynamic_scheduler(compile_sm90, det):
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and bool(dict(x.params).get("deterministic")) is det)
-    over = dict(bwd_dynamic=True, bwd_head_section=2) if det else dict(bwd_dynamic=True, bwd_persistent=True,
-                                                                        bwd_head_section=2)
-    ptx = compile_sm90(v, source=_render(v, **over))
+    ptx = compile_sm90(v, source=_render(v, bwd_dynamic=True, bwd_head_section=2) if det else None)
     assert len(re.findall(r"atom\.global\.add\.s32", ptx)) == 1
     bars = re.findall(r"bar(?:rier)?(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(9|10),\s*(\d+)", ptx)
     assert bars and {int(n) for _, _, n in bars} == {288 if det else 320}
 
 
 def test_experiment_build_takes_routes_and_head_dim(monkeypatch, tmp_path):
-    """`bwd_experiments build --routes mxfp8 --only dyn`: the route's backward variants at the head dim, the dyn copies of
-    the non-deterministic ones, and their op path's forwards and quantizers; nothing of the default routes."""
+    """`bwd_experiments build --routes mxfp8 --only pers`: the route's backward variants at the head dim, the pers copies
+    of the non-deterministic ones, and their op path's forwards and quantizers; nothing of the default routes."""
     from flamia_gen.bench import bwd_experiments as bx
 
     got = {}
@@ -156,10 +164,10 @@ def test_experiment_build_takes_routes_and_head_dim(monkeypatch, tmp_path):
         return {"variants": [{"name": v.name} for v in vs]}
 
     monkeypatch.setattr(bx, "build_variants_bundle", fake_bundle)
-    assert bx.main(["build", "-o", str(tmp_path / "b"), "--only", "dyn", "--routes", "mxfp8", "--head-dim", "64"]) == 0
+    assert bx.main(["build", "-o", str(tmp_path / "b"), "--only", "pers", "--routes", "mxfp8", "--head-dim", "64"]) == 0
     bwd = [v for v in got["vs"] if v.kind.value == "attn_bwd"]
     assert bwd and {v.route for v in bwd} == {"mxfp8"} and {v.param("head_dim") for v in bwd} == {64}
-    dyn = [v for v in bwd if v.name.endswith("_xdyn")]
-    assert len(dyn) == 2 and not any(dict(v.params).get("deterministic") for v in dyn)
-    assert all(dict(v.params)["bwd_dynamic"] is True for v in dyn)
+    pers = [v for v in bwd if v.name.endswith("_xpers")]
+    assert len(pers) == 2 and not any(dict(v.params).get("deterministic") for v in pers)
+    assert all(dict(v.params)["bwd_dynamic"] is False for v in pers)
     assert any(v.kind.value == "attn_fwd" for v in got["vs"]) and any(v.kind.value == "quant" for v in got["vs"])

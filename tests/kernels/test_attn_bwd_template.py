@@ -60,7 +60,10 @@ def test_render_deterministic_and_parses(variants):
         lit = _literals(a)
         assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
         assert lit["PARAMS"]["kind"] == "attn_bwd" and lit["PARAMS"]["tile_m"] == 64 and lit["TILE_N"] == 128
-        tail = ["lse", "delta", "cu_seqlens", "row_doc", "work"] + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
+        # unit_counter: the atomic-counter scheduler (bwd_dynamic), every non-deterministic variant but fp8_tensor's
+        dyn = not _is_det(v) and v.route != "fp8_tensor"
+        tail = ["lse", "delta", "cu_seqlens", "row_doc", "work"] + (["unit_counter"] if dyn else []) \
+            + (["dq_sem", "dq_tile_off"] if _is_det(v) else [])
         tail += ["softmax_scale", "dq_accum", "dk", "dv"]
         if v.route == "fp8_tensor":  # tensor-scaled dS: two launches around the call's dS amax
             tail += ["ds_amax", "amax_pass"]

@@ -45,7 +45,9 @@ def test_variants_fit_and_carry_the_forward_pairing():
         assert p["diag_v"] is p["causal"]  # the forward's diagonal safeguard exists only under a causal mask
         smem = attn_bwd_smem_bytes(p, 1)
         plain = attn_bwd_smem_bytes(dict(p, diag_v=False, ds_gran="token"), 1)
-        extra = (128 * p["head_dim"] + 8 * 4 * 256 if p["causal"] else 0) + 64
+        # the diagonal V tile and stash (causal), the warps' block maxima, and (bwd_sq32_windows) each key row's
+        # max and each query's group key
+        extra = (128 * p["head_dim"] + 8 * 4 * 256 if p["causal"] else 0) + 64 + 4 * (128 + 64)
         assert smem == plain + extra and smem <= SMEM_LIMIT[Arch.sm90]
 
 
@@ -243,3 +245,45 @@ def test_compile_nvfp4_mixed(compile_sm90):
     ptx = compile_sm90(v)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # Sᵀ = K·Qᵀ on BF16
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK
+
+
+# ---------------------------------------------------------------- bwd_sq32_windows (2026-12-02, fourteenth session)
+@pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact", "nvfp4_mixed"])
+def test_sq32_windows_by_default_and_only_in_the_masked_tile(route):
+    """On by default for every 32×32-block dS variant (PARAMS carry it, so the runtime gives them windows); the window
+    code sits only in the masked copy of one_tile (a window's tiles are all masked): the key rows' maxima before the
+    warp pair's barrier, the block ∩ document max per key row after it, the per-column group keys behind one more
+    256-thread barrier (dQ: not with mxfp8_exact's per-row causal dQ scale), and the per-token copies on every pair
+    of a window. Off renders the kernel before it."""
+    from flamia_gen.runtime.attn_bwd import bwd_windows
+
+    for v in _variants(route):
+        src = render_variant(v)
+        p = _literals(src)["PARAMS"]
+        assert p["bwd_sq32_windows"] is True and bwd_windows(p), v.name
+        assert "SQW_KEY0 = 2 * NUM_WG * 4" in src and "SQW_Q0 = SQW_KEY0 + TILE_N" in src
+        body = src[src.index("    def one_tile("):]
+        body = body[:body.index("\n    @cute.jit", 10)]
+        masked = body.index("if const_expr(mask):") if "if const_expr(mask):" in body else 0
+        store = body.index("sBlk[SQW_KEY0 + tScS[2 * rh][0]] = rmx")
+        pair = body.index("cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)")
+        group = body.index("g = fmax_nan(g, sBlk[SQW_KEY0 + lo + j])")
+        assert masked < store < pair < group
+        has_dq = "sBlk[SQW_Q0 + tidx] = Float32(gk)" in body
+        assert has_dq is (route != "mxfp8_exact"), v.name
+        if has_dq:
+            assert body.index("sBlk[SQW_Q0 + tidx] = Float32(gk)") < body.index(
+                "kb = Int32(sBlk[SQW_Q0 + tdQcdQ[2 * rh][0]])")
+        if p["causal"]:
+            assert "vmode = Int32(2)  # the forward read the per-token copies" in src
+        off = _render_with(v, bwd_sq32_windows=False)
+        lit = _literals(off)["PARAMS"]
+        assert "bwd_sq32_windows" not in lit and not bwd_windows(lit) and "SQW_KEY0" not in off
+
+
+def test_sq32_windows_smem_in_the_feasibility_model():
+    v = _pick()
+    p = dict(v.params)
+    with_w = attn_bwd_smem_bytes(p, 1)
+    # the warps' block maxima (one word per consumer warp) and the window words (a key row's max, a query's group key)
+    assert with_w - attn_bwd_smem_bytes(dict(p, ds_gran="token"), 1) == 4 * 8 * 2 + 4 * (128 + 64)

@@ -33,7 +33,7 @@ from flamia_gen.spec.enums import Granularity
 from test_attn_fwd_template import _fp8_inputs, _key_tiling_fn, _literals, _tile_order
 
 ROUTE = "nvfp4_mixed"
-TAIL = ["cu_seqlens", "row_doc", "work", "softmax_scale", "o", "lse"]
+TAIL = ["cu_seqlens", "row_doc", "work", "unit_counter", "softmax_scale", "o", "lse"]  # unit_counter: fwd_dynamic
 
 
 def _family_variants(routes, head_dim=128):
@@ -111,7 +111,7 @@ def test_render_deterministic_parses_and_args(v):
 
 _PARAM_OF = {"q": "mQ", "k": "mK", "v_t": "mV", "v_scale": "mVs", "v_t_diag": "mVd", "v_diag_scale": "mVds",
              "qk_tensor_scale": "mTs", "cu_seqlens": "mCu", "row_doc": "mRowDoc", "work": "mWork",
-             "softmax_scale": "softmax_scale",
+             "unit_counter": "mUnitCtr", "softmax_scale": "softmax_scale",
              "o": "mO", "lse": "mLSE"}
 
 

@@ -56,7 +56,7 @@ def test_render_deterministic_and_parses(v):
     assert lit["NAME"] == v.name and lit["ARCH"] == "sm_90a"
     assert lit["PARAMS"]["tile_n"] == v.param("tile_n")
     names = [x["name"] for x in lit["ARGS"]]
-    tail = ["cu_seqlens", "row_doc", "work", "softmax_scale", "o", "lse"]
+    tail = ["cu_seqlens", "row_doc", "work", "unit_counter", "softmax_scale", "o", "lse"]  # unit_counter: fwd_dynamic
     if v.param("q_fmt") == "e4m3" and not dict(v.params).get("scores_bf16"):
         from flamia_gen.runtime.attn_fwd import diag_inputs_needed
 
@@ -187,13 +187,14 @@ def test_run_attn_fwd_calls_in_args_order():
     o, lse = run_attn_fwd(fake, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"], x["v_scale"],
                           cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], poison=True)
     assert [a["name"] for a in lit["ARGS"]] == ["q", "q_scale", "k", "k_scale", "v_t", "v_scale", "cu_seqlens",
-                                                "row_doc", "work", "softmax_scale", "o", "lse"]
+                                                "row_doc", "work", "unit_counter", "softmax_scale", "o", "lse"]
     assert seen[0].dtype == torch.float8_e4m3fn and seen[4].dtype == torch.float8_e4m3fn
     assert seen[7].shape == (40, 2) and seen[7].dtype == torch.int32  # documents [0, 10), [10, 40)
     assert seen[7][:10].tolist() == [[0, 10]] * 10 and seen[7][10:].tolist() == [[10, 40]] * 30
     assert seen[8].shape == (num_work(40, 2, lit["PARAMS"]["tile_m"]), 3)
-    assert seen[9] == pytest.approx(128 ** -0.5)
-    assert seen[10] is o and seen[11] is lse
+    assert seen[9].tolist() == [0] and seen[9].dtype == torch.int32  # fwd_dynamic's unit counter, zeroed
+    assert seen[10] == pytest.approx(128 ** -0.5)
+    assert seen[11] is o and seen[12] is lse
     assert o.shape == (40, 4, 128) and o.dtype == torch.bfloat16 and torch.isnan(o.float()).all()
     assert lse.shape == (4, 40) and lse.dtype == torch.float32
 
@@ -810,3 +811,22 @@ def test_every_forward_experiment_changes_the_kernel_it_copies(route):
         assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
         seen.add(tag)
     assert ("ringon" in seen) is (route == "nvfp4_mixed") and ("nokperm" in seen) is (route == "fp8_token")
+
+
+@pytest.mark.parametrize("v", [v for v in VARIANTS if v.param("causal") and dict(v.params).get("diag_v")],
+                         ids=lambda v: v.name)
+def test_short_documents_read_the_diagonal_copies_on_every_pair(v):
+    """The backward's windows (bwd_sq32_windows) take the per-token V (and K) copies on every pair of a window's
+    documents. That is what the forward did: a document shorter than the backward's tile_n (128; every document of a
+    backward window is) has all its key tiles masked (n_mask 0), at any start, and the forward's own windows mask
+    every tile too (its load: `if window != 0: n_mask, n_lo = 0, 0`)."""
+    key_tiling, c = _key_tiling_fn(render_variant(v))
+    assert c["TILE_M"] >= 128  # one forward query tile holds such a document
+    g = torch.Generator().manual_seed(5)
+    starts = [0, 1, 15, 16, 17, 31, 1000] + torch.randint(0, 10 ** 6, (30,), generator=g).tolist()
+    for s in starts:
+        for L in range(1, 128):
+            kb, delta, nblk, n_mask, n_lo = key_tiling(0, s, L)
+            assert n_mask == 0 and nblk >= 1, (s, L, n_mask)
+    src = render_variant(v)
+    assert "n_mask, n_lo = Int32(0), Int32(0)  # window: every tile masked" in src

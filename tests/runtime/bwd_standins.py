@@ -38,16 +38,6 @@ def generated(name: str) -> tuple[list, dict]:
     return _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
 
 
-def persistent_form(args: list, params: dict | None = None):
-    """A one-CTA-per-unit default's ARGS (and PARAMS) as the persistent kernel has them: the work list (NUM_WORK, 3), no
-    unit list. The 32×32-block dS variants (mxfp8, mxfp8_exact, nvfp4_mixed) render so (the template's
-    BWD_PERSISTENT_DEFAULT); the stand-ins built on fp8_token's or fp8_token_bf16qk's generated module need it."""
-    args = [dict(a, shape=["NUM_WORK", "3"]) if a["name"] == "work" else a for a in args]
-    if params is None:
-        return args
-    return args, {k: v for k, v in params.items() if k not in ("bwd_head_section", "bwd_persistent")}
-
-
 @lru_cache(maxsize=None)
 def plan_variants(family: str, route: str):
     """The plan's variants of `family` expanded for `route` alone."""

@@ -45,8 +45,9 @@ def _plain_variant() -> tuple[list, dict]:
 
 
 def _diag_variant() -> tuple[list, dict]:
-    """The fp8_token backward's ARGS and PARAMS with what a diag_v backward adds (persistent, as it renders)."""
-    args, params = bs.persistent_form(*bs.generated(FP8_BWD))
+    """The fp8_token backward's ARGS and PARAMS with what a diag_v backward adds (the unit list and the counter, as
+    every non-deterministic backward renders since 2026-12-02)."""
+    args, params = bs.generated(FP8_BWD)
     return args + DIAG_ARGS, dict(params, **DIAG_PARAMS)
 
 
@@ -117,10 +118,17 @@ def test_run_attn_bwd_passes_the_diagonal_inputs_and_no_windows():
     assert seen["v_diag"].dtype == torch.float8_e4m3fn and seen["v_diag"].shape == (T, HKV, D)
     assert bool((seen["v_diag"].view(torch.uint8) == 0x40).all()) and bool((seen["v_diag_scale"] == 121).all())
     assert seen["fwd_tile_m"] == 192 and type(seen["fwd_tile_m"]) is int
-    # the schedule it builds for a square_32 variant keeps the documents apart
+    # the schedule it builds for a square_32 variant without bwd_sq32_windows keeps the documents apart
+    assert "bwd_sq32_windows" not in params
     assert torch.equal(seen["work"], bwd_schedule(x["cu_seqlens"], 64, 128, True, key_align=16, T=T,
-                                                  windows=False).work)
+                                                  windows=False, hkv=HKV, head_section=2).work)
     assert torch.equal(seen["cu_seqlens"], x["cu_seqlens"])
+    # with the flag (the template's default since 2026-12-02) the short documents share windows
+    fn, win = bs.recorder(args)
+    run_attn_bwd(fn, args, **x, params=dict(params, bwd_sq32_windows=True), **bs.diag_v_inputs(T))
+    assert torch.equal(win["work"], bwd_schedule(x["cu_seqlens"], 64, 128, True, key_align=16, T=T,
+                                                 hkv=HKV, head_section=2).work)
+    assert int((win["work"][:, 2] == 1).sum()) > 0
     # the plain variant (same inputs, no diagonal arguments) still merges them
     pargs, pparams = _plain_variant()
     fn, plain = bs.recorder(pargs)
@@ -349,7 +357,8 @@ def test_backward_with_launches_the_per_token_v_copy(diag_bundle):
     assert kern["v_diag"].dtype == torch.float8_e4m3fn and bool((kern["v_diag"].view(torch.uint8) == 0x40).all())
     assert bool((kern["v_diag_scale"] == 0x40 + 80).all()) and kern["v_diag_scale"].shape == (T, HKV)
     assert bool((kern["v"].view(torch.uint8) == 0x30).all())  # V itself: the token-block codes
-    assert torch.equal(kern["work"], bwd_schedule(cu, 64, 128, True, key_align=16, T=T, windows=False).work)
+    assert torch.equal(kern["work"], bwd_schedule(cu, 64, 128, True, key_align=16, T=T, windows=False, hkv=HKV,
+                                                  head_section=2).work)
     assert int((kern["work"][:, 2] == 1).sum()) == 0
 
 

@@ -48,7 +48,7 @@ QK_TS_SPEC = [{"name": "qk_tensor_scale", "dtype": "float32", "shape": ["1"], "r
 def _nvfp4_args(causal: bool) -> list:
     """The fp8_token_bf16qk backward's ARGS (BF16 q, k) in the order the template emits the NVFP4 route's: ..., dv,
     [causal] v_diag, v_diag_scale, fwd_tile_m, then qk_tensor_scale."""
-    args = bs.persistent_form(bs.generated(BF16QK_BWD if causal else BF16QK_BWD + "_noncausal")[0])
+    args = bs.generated(BF16QK_BWD if causal else BF16QK_BWD + "_noncausal")[0]
     return args + (DIAG_V_SPEC if causal else []) + QK_TS_SPEC
 
 
