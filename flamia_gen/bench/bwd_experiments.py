@@ -89,6 +89,11 @@ EXPERIMENTS: dict[str, dict] = {
     # unit per short document and KV head: 102–110 ms on 131072 one-token documents, mxfp8 D = 128, before it)
     "sq32nowin": dict(over={"bwd_sq32_windows": False}, when=lambda p: p.get("ds_gran") == "square_32",
                       note="the 32×32-block dS without windows (the kernel before bwd_sq32_windows)"),
+    # bwd_sq32_win_copy (compiled, not yet run): the window code in a third compile-time copy of one_tile (stack
+    # 264 → 232 B on mxfp8 D = 128; the window code in the masked copy cost +2 … +4 % on rows without windows)
+    "sq3": dict(over={"bwd_sq32_win_copy": True},
+                when=lambda p: p.get("ds_gran") == "square_32" and p.get("bwd_interior_nomask", True),
+                note="a window's tiles in their own copy of one_tile (the other masked tiles without the window code)"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",

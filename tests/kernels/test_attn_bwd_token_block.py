@@ -287,3 +287,34 @@ def test_sq32_windows_smem_in_the_feasibility_model():
     with_w = attn_bwd_smem_bytes(p, 1)
     # the warps' block maxima (one word per consumer warp) and the window words (a key row's max, a query's group key)
     assert with_w - attn_bwd_smem_bytes(dict(p, ds_gran="token"), 1) == 4 * 8 * 2 + 4 * (128 + 64)
+
+
+def _third_copy_src(v):
+    return _render_with(v, bwd_sq32_win_copy=True)
+
+
+@pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact"])
+def test_sq32_window_copy_flag_renders_a_third_one_tile(route):
+    """bwd_sq32_win_copy (off; tag sq3): the loop calls one_tile three ways — interior (False, False), masked outside a
+    window (True, False), a window's tile (True, True) — and the window code is compile time (`const_expr(win)`), so
+    the masked copy has none of it. Off renders the default bytes."""
+    for v in _variants(route):
+        assert _render_with(v, bwd_sq32_win_copy=False) == render_variant(v)
+        src = _third_copy_src(v)
+        assert _literals(src)["PARAMS"]["bwd_sq32_win_copy"] is True
+        assert "mask: cutlass.Constexpr[bool], win: cutlass.Constexpr[bool]):" in src
+        ends = [ln.rstrip() for ln in src.splitlines()]
+        for tail in ("False, False)", "True, False)", "True, True)"):
+            assert sum(ln.endswith(", " + tail) for ln in ends) == 1, tail
+        assert "elif window == 0:" in src
+        body = src[src.index("    def one_tile("):]
+        body = body[:body.index("\n    @cute.jit", 10)]
+        assert "if const_expr(win):" in body and "if window != 0:" not in body
+        assert ("dq_win = win  # compile time" in body) is (route != "mxfp8_exact")
+
+
+@pytest.mark.compile
+def test_compile_sq32_window_copy(compile_sm90):
+    v = _pick()
+    ptx = compile_sm90(v, source=_third_copy_src(v))
+    assert "bar.sync" in ptx or "barrier.sync" in ptx
