@@ -333,7 +333,7 @@ def atomic_add_i32(ptr, val, *, loc=None, ip=None):
 # Scheduler: a unit is (work item = (document, key tile), KV head); items longest-first.
 # ---------------------------------------------------------------------------------------
 class DynamicScheduler:
-    """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
+    """Persistent: CTA b takes unit b, then the next unit of the atomic counter (publish_next / receive_next).
     Units are the rows of the unit list (runtime.attn_bwd.head_units): KV heads in sections, longest-first in each."""
 
     @staticmethod

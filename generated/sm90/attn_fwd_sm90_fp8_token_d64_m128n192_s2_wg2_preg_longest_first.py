@@ -204,7 +204,7 @@ def make_smem_layout(dtype, shape, stages=None):
 # Scheduler: a unit is (work item, head); items come longest-first from the work list.
 # ---------------------------------------------------------------------------------------
 class LongestFirstScheduler:
-    """Persistent: CTA b takes units b, b + grid, b + 2·grid, ...
+    """Persistent: CTA b takes unit b, then the next unit of the atomic counter (publish_next / receive_next).
     Consecutive units are the heads of one item, so every head of the longest item starts first."""
 
     @staticmethod

@@ -1,7 +1,8 @@
-"""The template flag `bwd_head_section` (the unit list with KV heads in sections; runtime side:
-tests/runtime/test_attn_bwd_head_units.py): what it renders, off by default, and that it cross-compiles with the
-one-CTA-per-unit scheduler (`-m compile`), on by default where the schedule allows. The H200 A/B: `bench.bwd_experiments`
-tags pers, hs0, hs1 (measured as np, nph1, nph2, ph2 before the defaults flipped)."""
+"""The template flags `bwd_head_section` (the unit list with KV heads in sections; runtime side:
+tests/runtime/test_attn_bwd_head_units.py), `bwd_persistent` and `bwd_dynamic`: what they render and that they
+cross-compile (`-m compile`). Default since 2026-12-02 (fourteenth session): persistent CTAs taking units from an atomic
+counter over sections of 2, where the schedule allows; one CTA per unit (the thirteenth session's default) renders with
+bwd_persistent=false. The H200 A/B: `bench.bwd_experiments` tags pers, onecta, hs0, hs1, dhs1, dyndet."""
 
 from __future__ import annotations
 
