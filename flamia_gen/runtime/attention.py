@@ -451,8 +451,8 @@ def token_copy_do_delta(root: str, route: str, d: int, profile) -> dict:
 def bwd_schedule_cached(cu: torch.Tensor, T: int, params: dict, fp8: bool, hkv: int = 1):
     """The backward's schedule (documents and windows, longest-first key-tile work list, per-token
     document bounds, dQ tile offsets: runtime.attn_bwd.bwd_schedule), cached (`_cached_work`).
-    No windows for a square_32 dS kernel built without `bwd_sq32_windows` (`attn_bwd.bwd_windows`); a `bwd_head_section` variant's unit list
-    carries the KV heads (`hkv`)."""
+    No windows for a square_32 dS kernel built without `bwd_sq32_windows` (`attn_bwd.bwd_windows`); a
+    `bwd_head_section` variant's unit list carries the KV heads (`hkv`)."""
     from .attn_bwd import bwd_schedule, bwd_windows
 
     tile_m, tile_n, causal = params["tile_m"], params["tile_n"], params["causal"]

@@ -13,8 +13,8 @@ Windows (`bwd_schedule`): documents shorter than a key tile that start in the sa
 merged into one pseudo-document whose query tiles are all masked and where a key is seen only by
 queries of its own document (`row_doc`), as in the forward (runtime.attn_fwd.merge_windows); a
 persistent CTA leaves its loop at the first padding unit.
-Unit lists (`head_units`, variants whose PARAMS carry `bwd_head_section`: the one-CTA-per-unit default since
-2026-12-02): the work list × KV heads as (NUM_UNITS, 4) rows (doc, n_block, window, KV head), the heads in sections
+Unit lists (`head_units`, variants whose PARAMS carry `bwd_head_section`: the atomic-counter scheduler's default and
+one CTA per unit): the work list × KV heads as (NUM_UNITS, 4) rows (doc, n_block, window, KV head), the heads in sections
 (few heads' Q, dO, dQ rows in L2 at once), padding last; with windows cut first to `num_window_items` rows.
 A kernel unit is (work item, KV head): it loops over the KV head's query heads, so dK and dV are
 summed over the GQA group in registers and written once (deterministic); dQ partials are
@@ -38,7 +38,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, k_rows_for_tma,
-                       kernel_key_align, longest_first, merge_windows)
+                       kernel_key_align, longest_first, merge_windows, unit_counter_arg)
 
 _E5M2_CODE_DTYPES = (torch.uint8, torch.float8_e5m2)
 
@@ -565,10 +565,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         else:
             dq_sem.zero_()  # the kernel leaves the counts behind: every call starts from 0
         by_name.update(dq_sem=dq_sem, dq_tile_off=schedule.dq_tile_off)
-    if any(a["name"] == "unit_counter" for a in args_spec):
-        # bwd_dynamic: the persistent CTAs' next-unit counter, zero at every launch (the kernel leaves it at the
-        # number of units it handed out); a fresh zeroed word per call, no host sync
-        by_name["unit_counter"] = torch.zeros(1, dtype=torch.int32, device=dev)
+    by_name.update(unit_counter_arg(args_spec, dev))  # bwd_dynamic
     if params.get("bwd_q_row_perm"):
         # the row-permuting Q and dO TMAs read whole 16-token groups: rows T … T_PAD − 1 of the codes' storage
         # (masked queries). The quantizers' padded storage has them; other codes (a caller's own) cost a zero-padded

@@ -295,6 +295,15 @@ def check_diag_inputs(diag: dict, params: dict, T: int, HKV: int, D: int, t_pad:
             _check_tensor(t, name, _FP8_CODE_DTYPES, (HKV, D, t_pad), dev)
 
 
+def unit_counter_arg(args_spec: Sequence[dict], dev) -> dict:
+    """{"unit_counter": a zeroed int32 word} when the kernel's ARGS name one (the atomic-counter scheduler of the
+    forward and the backward: fwd_dynamic, bwd_dynamic), else {}. Zero at every launch: the kernel leaves it at the
+    number of units it handed out. A fresh word per call (one memset launch), no host sync."""
+    if any(a["name"] == "unit_counter" for a in args_spec):
+        return {"unit_counter": torch.zeros(1, dtype=torch.int32, device=dev)}
+    return {}
+
+
 def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
                  cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
                  schedule: FwdSchedule | None = None, diag: dict | None = None,
@@ -355,10 +364,7 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
             by_name["k_diag"] = _as_e4m3(k_rows_for_tma(diag["k_diag"], v.shape[2]))
     else:
         by_name.update(q=q, k=k, v=v)
-    if any(a["name"] == "unit_counter" for a in args_spec):
-        # fwd_dynamic: the persistent CTAs' next-unit counter, zero at every launch (the kernel leaves it at the
-        # number of units it handed out); a fresh zeroed word per call, no host sync
-        by_name["unit_counter"] = torch.zeros(1, dtype=torch.int32, device=dev)
+    by_name.update(unit_counter_arg(args_spec, dev))
     missing = [a["name"] for a in args_spec if a["name"] not in by_name]
     if missing:
         raise ValueError(f"args_spec names arguments this wrapper does not know: {missing}")
@@ -366,6 +372,6 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     return o, lse
 
 
-__all__ = ["make_work_list", "fwd_schedule", "FwdSchedule", "merge_windows", "Windows", "flag_windows", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
+__all__ = ["unit_counter_arg", "make_work_list", "fwd_schedule", "FwdSchedule", "merge_windows", "Windows", "flag_windows", "longest_first", "num_work", "check_fwd_inputs", "run_attn_fwd", "k_rows_for_tma",
            "fwd_mode",
            "SUPPORTED_HEAD_DIMS", "DIAG_INPUTS", "diag_inputs_needed", "check_diag_inputs"]

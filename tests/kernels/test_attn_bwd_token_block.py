@@ -315,6 +315,14 @@ def test_sq32_window_copy_flag_renders_a_third_one_tile(route):
 
 @pytest.mark.compile
 def test_compile_sq32_window_copy(compile_sm90):
+    """The flag compiles, and the PTX has the third copy: one more warp-pair (64-thread) barrier than the default (two
+    copies of one_tile: 2), and two more 256-thread barriers (the copy's own two, plus the dQ group keys' one)."""
+    import re
+
     v = _pick()
-    ptx = compile_sm90(v, source=_third_copy_src(v))
-    assert "bar.sync" in ptx or "barrier.sync" in ptx
+    pair = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*64;"
+    full = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*256;"
+    three = compile_sm90(v, source=_third_copy_src(v))
+    two = compile_sm90(v)
+    assert (len(re.findall(pair, two)), len(re.findall(pair, three))) == (2, 3)
+    assert len(re.findall(full, three)) == len(re.findall(full, two)) + 2
