@@ -40,6 +40,7 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
+_bf16_tile = lambda p: p.get("v_fmt") != "e4m3" and p.get("bwd_interior_nomask", True)  # noqa: E731
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
@@ -89,11 +90,20 @@ EXPERIMENTS: dict[str, dict] = {
     # unit per short document and KV head: 102–110 ms on 131072 one-token documents, mxfp8 D = 128, before it)
     "sq32nowin": dict(over={"bwd_sq32_windows": False}, when=lambda p: p.get("ds_gran") == "square_32",
                       note="the 32×32-block dS without windows (the kernel before bwd_sq32_windows)"),
-    # bwd_sq32_win_copy (compiled, not yet run): the window code in a third compile-time copy of one_tile (stack
-    # 264 → 232 B on mxfp8 D = 128; the window code in the masked copy cost +2 … +4 % on rows without windows)
-    "sq3": dict(over={"bwd_sq32_win_copy": True},
-                when=lambda p: p.get("ds_gran") == "square_32" and p.get("bwd_interior_nomask", True),
-                note="a window's tiles in their own copy of one_tile (the other masked tiles without the window code)"),
+    # bwd_sq32_win_copy (default since 2026-12-03): without it, the window code sits in the masked copy of one_tile
+    # (stack 232 → 264 B on mxfp8 D = 128; H200: +0.5 … +4 % on every row, 2026-12-03)
+    "nosq3": dict(over={"bwd_sq32_win_copy": False},
+                  when=lambda p: p.get("ds_gran") == "square_32" and p.get("bwd_interior_nomask", True),
+                  note="a window's tiles in the masked copy of one_tile (the kernel before bwd_sq32_win_copy)"),
+    # bwd_mma_overlap (experiment, 2026-12-03): the BF16 tile's wgmmas in an order that keeps the tensor cores fed
+    "mmaov": dict(over={"bwd_mma_overlap": True}, when=lambda p: _bf16_tile(p) and not p.get("deterministic"),
+                  note="P under dPᵀ, dV issued before the dS pass, dK after dQ (runs under the dQ stores)"),
+    # bwd_ds_stsm (experiment, 2026-12-03): the BF16 dS stored with stmatrix (4 instructions instead of 32 16-bit stores)
+    "stsm": dict(over={"bwd_ds_stsm": True}, when=_bf16_tile,
+                 note="the BF16 dS to shared memory with stmatrix (transposed 8×8 blocks)"),
+    "ovst": dict(over={"bwd_mma_overlap": True, "bwd_ds_stsm": True},
+                 when=lambda p: _bf16_tile(p) and not p.get("deterministic"),
+                 note="mmaov and stsm together"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",

@@ -76,6 +76,7 @@ PARAMS = {
     "bwd_head_section": 2,
     "bwd_dynamic": True,
     "bwd_sq32_windows": True,
+    "bwd_sq32_win_copy": True,
     "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
@@ -901,13 +902,20 @@ class AttnBwdSm90:
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, sdQ, sBlk, False)
-                        else:
+                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, sdQ, sBlk, False, False)
+                        elif window == 0:
                             q_state = self.one_tile(
                                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
                                 tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
                                 vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
-                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, sdQ, sBlk, True)
+                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, sdQ, sBlk, True, False)
+                        else:
+                            # a window's tiles: the third copy, with the block ∩ document exponents
+                            q_state = self.one_tile(
+                                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tSrK, tSrV, tSrQ, tSrdO, tdVrdO, tdKrQ,
+                                tdVrP, tdKrdS, tdQrdS, tdQrK, tSsdS, acc_dV, acc_dK, tScS, tdQcdQ, sRow, sAmax, kf,
+                                vf, run, bufs, pipe_q, q_state, key0, m_block * m - delta, base + m_block * m, head,
+                                doc_len, mRowDoc, doc_start, window, mdQacc, softmax_scale, scale_log2, tidx, sdQ, sBlk, True, True)
                 pipe_kv.consumer_release(kv_state)
                 kv_state.advance()
                 self.epilogue(acc_dK, acc_dV, tdKcdK, run, mdK, mdV, k_tok0, key0, doc_len, hkv, softmax_scale)
@@ -973,7 +981,7 @@ class AttnBwdSm90:
                  q_tok0: Int32, head: Int32, doc_len: Int32, mRowDoc: cute.Tensor, doc_start: Int32, window: Int32,
                  mdQacc: cute.Tensor, softmax_scale: Float32,
                  scale_log2: Float32, tidx: Int32, sdQ: cute.Tensor, sBlk: cute.Tensor,
-                 mask: cutlass.Constexpr[bool]):
+                 mask: cutlass.Constexpr[bool], win: cutlass.Constexpr[bool]):
         """One query tile against the unit's key tile. mask=False (compile time) on interior tiles
         (bwd_interior: every pair inside the document and visible): no mask arithmetic, no dQ row
         predicate; the rest of the tile's work is the same as with mask=True."""
@@ -1073,19 +1081,18 @@ class AttnBwdSm90:
         sBlk[warp] = blk
         # a window: each key row's max (over this query tile) to shared memory, for the block ∩ document maxima below
         # (interior tiles are never a window's: only the masked copy of one_tile has the code)
-        if const_expr(mask):
-            if window != 0:
-                for rh in cutlass.range_constexpr(2):
-                    rmx = quad_max_nan(mx[rh])
-                    if tidx % 4 == 0:
-                        sBlk[SQW_KEY0 + tScS[2 * rh][0]] = rmx
+        if const_expr(win):
+            for rh in cutlass.range_constexpr(2):
+                rmx = quad_max_nan(mx[rh])
+                if tidx % 4 == 0:
+                    sBlk[SQW_KEY0 + tScS[2 * rh][0]] = rmx
         cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)
         blk = fmax_nan(blk, sBlk[warp ^ 1])
         e_blk = ds_exponent(blk)
         for rh in cutlass.range_constexpr(2):
             e = e_blk
-            if const_expr(mask):
-                if window != 0:
+            if const_expr(win):
+                if True:  # (the window copy: the condition is compile time)
                     # the block cut to this key's document ([klim lo, hi) in the tile's document coordinates, as the keys)
                     b0 = (tScS[2 * rh][0] // 32) * 32
                     lo = cutlass.max(klim[rh] - key0, b0)
@@ -1141,10 +1148,8 @@ class AttnBwdSm90:
             cute.arch.atomic_max(sAmax.iterator + (buf * m + col), ds_key(am[0]))
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         # a window: query column t's key is the max over its 32-column block cut to its document (one thread per column)
-        dq_win = window != 0
-        if const_expr(not mask):
-            dq_win = False  # interior tiles are never a window's
-        if dq_win:
+        dq_win = win  # compile time: the window copy of one_tile
+        if const_expr(dq_win):
             if tidx < m:
                 gk = Int32(0)
                 tok = q_tok0 + tidx
@@ -1170,14 +1175,14 @@ class AttnBwdSm90:
         for cg in cutlass.range_constexpr(8):
             f = pow2i_neg_ds_key(bk[cg // 4])
             for cp in cutlass.range_constexpr(2):
-                if dq_win:
+                if const_expr(dq_win):
                     f = pow2i_neg_ds_key(Int32(sBlk[SQW_Q0 + tScS[4 * cg][1] + cp]))
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
             kb = cutlass.select_(tdQcdQ[2 * rh][0] >= 32, bk[1], bk[0])
-            if dq_win:
+            if const_expr(dq_win):
                 kb = Int32(sBlk[SQW_Q0 + tdQcdQ[2 * rh][0]])
             dqf[rh] = pow2i_ds_key(kb) * softmax_scale
         rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)

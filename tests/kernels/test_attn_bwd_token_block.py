@@ -290,16 +290,19 @@ def test_sq32_windows_smem_in_the_feasibility_model():
 
 
 def _third_copy_src(v):
-    return _render_with(v, bwd_sq32_win_copy=True)
+    return render_variant(v)
 
 
 @pytest.mark.parametrize("route", ["mxfp8", "mxfp8_exact"])
 def test_sq32_window_copy_flag_renders_a_third_one_tile(route):
-    """bwd_sq32_win_copy (off; tag sq3): the loop calls one_tile three ways — interior (False, False), masked outside a
-    window (True, False), a window's tile (True, True) — and the window code is compile time (`const_expr(win)`), so
-    the masked copy has none of it. Off renders the default bytes."""
+    """bwd_sq32_win_copy (on by default since 2026-12-03; A/B tag nosq3): the loop calls one_tile three ways — interior
+    (False, False), masked outside a window (True, False), a window's tile (True, True) — and the window code is
+    compile time (`const_expr(win)`), so the masked copy has none of it. On renders the default bytes; off renders
+    two copies."""
     for v in _variants(route):
-        assert _render_with(v, bwd_sq32_win_copy=False) == render_variant(v)
+        assert _render_with(v, bwd_sq32_win_copy=True) == render_variant(v)
+        off = _render_with(v, bwd_sq32_win_copy=False)
+        assert "win: cutlass.Constexpr[bool]" not in off and "bwd_sq32_win_copy" not in _literals(off)["PARAMS"]
         src = _third_copy_src(v)
         assert _literals(src)["PARAMS"]["bwd_sq32_win_copy"] is True
         assert "mask: cutlass.Constexpr[bool], win: cutlass.Constexpr[bool]):" in src
@@ -322,7 +325,7 @@ def test_compile_sq32_window_copy(compile_sm90):
     v = _pick()
     pair = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*64;"
     full = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*256;"
-    three = compile_sm90(v, source=_third_copy_src(v))
-    two = compile_sm90(v)
+    three = compile_sm90(v)
+    two = compile_sm90(v, source=_render_with(v, bwd_sq32_win_copy=False))
     assert (len(re.findall(pair, two)), len(re.findall(pair, three))) == (2, 3)
     assert len(re.findall(full, three)) == len(re.findall(full, two)) + 2
