@@ -109,3 +109,4 @@ def test_compile_both_flags(compile_sm90):
     assert len(re.findall(r"stmatrix\.sync\.aligned\.(?:m8n8\.)?x4\.trans\.shared(?:::cta)?\.b16", ptx)) == 8
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 6
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 2
+
