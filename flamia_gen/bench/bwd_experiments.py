@@ -104,6 +104,10 @@ EXPERIMENTS: dict[str, dict] = {
     "ovst": dict(over={"bwd_mma_overlap": True, "bwd_ds_stsm": True},
                  when=lambda p: _bf16_tile(p) and not p.get("deterministic"),
                  note="mmaov and stsm together"),
+    # bwd_dq_tma_writer (experiment, 2026-12-03): the writer warp issues one TMA tensor reduce-add per tile (bwd_dq_tma's)
+    "tmaw": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True},
+                 when=lambda p: _dq_writer(p) and p.get("head_dim") == 128,
+                 note="the dQ writer warp issues one TMA tensor reduce-add of the (tile_m, D) box per tile"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",

@@ -110,3 +110,55 @@ def test_compile_both_flags(compile_sm90):
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 6
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 2
 
+
+
+# ----------------------------------------------------------------------------- bwd_dq_tma_writer
+def _writer(src: str) -> str:
+    body = src[src.index("    def dq_writer("):]
+    return body[:body.index("\n    @cute.jit", 10)]
+
+
+@pytest.mark.parametrize("route", ["bf16", "fp8_token"])
+def test_dq_tma_writer_hands_the_box_to_the_writer(route):
+    """The consumers wait DQ_EMPTY, fill the dense staging tile (rows outside the document 0 on masked tiles), fence and
+    arrive on DQ_FULL, with no 256-thread barrier and no TMA issue of their own; the writer waits DQ_FULL and issues
+    one TMA reduce of the box, commits, waits for its read and hands the tile back. Off renders the default bytes."""
+    v = next(v for v in _variants(route) if v.param("head_dim") == 128 and v.param("causal")
+             and not dict(v.params).get("deterministic"))
+    assert _render_with(v, bwd_dq_tma_writer=False) == render_variant(v)
+    src = _render_with(v, bwd_dq_tma=True, bwd_dq_tma_writer=True)
+    tile = _one_tile(src)
+    seq = ["cute.arch.barrier(barrier_id=DQ_EMPTY_BAR", "tdQsdQ[i] = v", "cute.arch.fence_view_async_shared()",
+           "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR"]
+    at = tile.index("tdQsdQ = tiled_mma_dq.get_slice(tidx).partition_C(sdQ)") - 400
+    for s in seq:
+        at = tile.index(s, at) + 1
+    assert "cute.copy(tma_atom_dq" not in tile and "bulk_reduce_add_f32(" not in tile
+    w = _writer(src)
+    at = 0
+    for s in ["cute.arch.barrier(barrier_id=DQ_FULL_BAR", "cute.copy(tma_atom_dq, tdQs, tdQg)",
+              "cute.arch.cp_async_bulk_commit_group()", "cute.arch.cp_async_bulk_wait_group(0, read=True)",
+              "cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BAR"]:
+        at = w.index(s, at) + 1
+    assert "bulk_reduce_add_f32(" not in w
+    assert "self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, tma_atom_dq, mdQt)" in src
+
+
+def test_dq_tma_writer_refusals():
+    v = next(v for v in BF16 if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
+    d64 = next(v for v in BF16 if v.param("head_dim") == 64 and v.param("causal") and not dict(v.params).get("deterministic"))
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_tma_writer"):
+        _render_with(v, bwd_dq_tma=True, bwd_dq_tma_writer=True, bwd_dq_warp=False)
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_tma_writer"):
+        _render_with(d64, bwd_dq_tma=True, bwd_dq_tma_writer=True)  # two writer warps at D = 64
+    # without bwd_dq_tma the flag does nothing
+    assert _render_with(v, bwd_dq_tma_writer=True) == render_variant(v)
+
+
+@pytest.mark.compile
+def test_compile_dq_tma_writer(compile_sm90):
+    v = next(v for v in BF16 if v.param("head_dim") == 128 and v.param("causal")
+             and not dict(v.params).get("deterministic"))
+    ptx = compile_sm90(v, source=_render_with(v, bwd_dq_tma=True, bwd_dq_tma_writer=True))
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == 1
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" not in ptx
