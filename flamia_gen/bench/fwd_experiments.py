@@ -100,8 +100,21 @@ def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_vari
             if not ex["when"](p):
                 continue
             p.update(ex["over"])
+            ok, reason = _feasible(v, p)
+            if not ok:  # e.g. a second staging tile past the shared memory an SM gives one CTA (found at launch once)
+                print(f"experiment {tag}: {v.name} left out: {reason}", file=sys.stderr)
+                continue
             out.append((tag, replace(v, name=f"{v.name}_x{tag}", params=tuple(sorted(p.items())))))
     return out
+
+
+def _feasible(v, params: dict) -> tuple[bool, str]:
+    """The planner's feasibility check (registers, shared memory, tile rules) on an experiment copy's params."""
+    from ..plan.feasibility import check_attn, check_attn_bwd
+
+    check = check_attn_bwd if v.kind.value == "attn_bwd" else check_attn
+    elem_bytes = 1 if params.get("v_fmt") == "e4m3" else 2  # as the planner: V, P (and dO) on the 8-bit side
+    return check(v.arch, elem_bytes, params)
 
 
 def build_variants_bundle(out_dir, vs, *, jobs: int = 2) -> dict:

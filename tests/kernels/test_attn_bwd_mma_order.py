@@ -162,3 +162,17 @@ def test_compile_dq_tma_writer(compile_sm90):
     ptx = compile_sm90(v, source=_render_with(v, bwd_dq_tma=True, bwd_dq_tma_writer=True))
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == 1
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" not in ptx
+
+
+# ----------------------------------------------------------------------------- experiment copies: feasibility
+def test_experiment_copies_past_the_shared_memory_limit_are_left_out(capsys):
+    """An experiment copy goes through the planner's feasibility check: bf16 D = 128 with 4 Q/dO stages needs more
+    shared memory than an SM gives one CTA (a two-stage dQ staging copy once failed only at launch, 2026-12-03)."""
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    base = [v for v in BF16 if v.param("head_dim") == 128]
+    ex = {"big": dict(over={"stages": 4}, when=lambda p: True, note=""),
+          "ok": dict(over={"bwd_ds_stsm": True}, when=lambda p: True, note="")}
+    out = experiment_variants(["big", "ok"], base_variants=base, experiments=ex)
+    assert [t for t, _ in out].count("big") == 0 and [t for t, _ in out].count("ok") == len(base)
+    assert "shared memory" in capsys.readouterr().err
