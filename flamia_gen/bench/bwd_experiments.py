@@ -39,8 +39,10 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
-# the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
+# the BF16 tile's experiments (mask-free interior tiles); with the writer warp (not the deterministic dQ) for mmaov
 _bf16_tile = lambda p: p.get("v_fmt") != "e4m3" and p.get("bwd_interior_nomask", True)  # noqa: E731
+_bf16_writer_tile = lambda p: _bf16_tile(p) and _dq_writer(p)  # noqa: E731
+# the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
 # tag → (render-context / params overrides, which default variants it applies to, note)
@@ -96,13 +98,12 @@ EXPERIMENTS: dict[str, dict] = {
                   when=lambda p: p.get("ds_gran") == "square_32" and p.get("bwd_interior_nomask", True),
                   note="a window's tiles in the masked copy of one_tile (the kernel before bwd_sq32_win_copy)"),
     # bwd_mma_overlap (experiment, 2026-12-03): the BF16 tile's wgmmas in an order that keeps the tensor cores fed
-    "mmaov": dict(over={"bwd_mma_overlap": True}, when=lambda p: _bf16_tile(p) and not p.get("deterministic"),
+    "mmaov": dict(over={"bwd_mma_overlap": True}, when=_bf16_writer_tile,
                   note="P under dPᵀ, dV issued before the dS pass, dK after dQ (runs under the dQ stores)"),
     # bwd_ds_stsm (experiment, 2026-12-03): the BF16 dS stored with stmatrix (4 instructions instead of 32 16-bit stores)
     "stsm": dict(over={"bwd_ds_stsm": True}, when=_bf16_tile,
                  note="the BF16 dS to shared memory with stmatrix (transposed 8×8 blocks)"),
-    "ovst": dict(over={"bwd_mma_overlap": True, "bwd_ds_stsm": True},
-                 when=lambda p: _bf16_tile(p) and not p.get("deterministic"),
+    "ovst": dict(over={"bwd_mma_overlap": True, "bwd_ds_stsm": True}, when=_bf16_writer_tile,
                  note="mmaov and stsm together"),
     # bwd_dq_tma_writer (experiment, 2026-12-03): the writer warp issues one TMA tensor reduce-add per tile (bwd_dq_tma's)
     "tmaw": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True},

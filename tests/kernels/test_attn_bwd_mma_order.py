@@ -130,7 +130,7 @@ def test_dq_tma_writer_hands_the_box_to_the_writer(route):
     tile = _one_tile(src)
     seq = ["cute.arch.barrier(barrier_id=DQ_EMPTY_BAR", "tdQsdQ[i] = v", "cute.arch.fence_view_async_shared()",
            "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR"]
-    at = tile.index("tdQsdQ = tiled_mma_dq.get_slice(tidx).partition_C(sdQ)") - 400
+    at = tile.index("HQ = mdQacc.shape[1]")  # the dQ write-out: the tile's last stretch
     for s in seq:
         at = tile.index(s, at) + 1
     assert "cute.copy(tma_atom_dq" not in tile and "bulk_reduce_add_f32(" not in tile
