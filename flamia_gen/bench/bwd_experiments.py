@@ -109,6 +109,10 @@ EXPERIMENTS: dict[str, dict] = {
     "tmaw": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True},
                  when=lambda p: _dq_writer(p) and p.get("head_dim") == 128,
                  note="the dQ writer warp issues one TMA tensor reduce-add of the (tile_m, D) box per tile"),
+    # bwd_amax_drift (experiment, 2026-12-03): each warpgroup arrives after its dQ-amax atomics, finishes dK, then waits
+    "drift": dict(over={"bwd_amax_drift": True},
+                  when=lambda p: _qk8(p) and p.get("ds_gran") == "token" and p.get("compute_warpgroups") == 2,
+                  note="the warpgroups drift at the dQ amax: arrive, the dK step, then wait for the other"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",
