@@ -113,6 +113,11 @@ EXPERIMENTS: dict[str, dict] = {
     "drift": dict(over={"bwd_amax_drift": True},
                   when=lambda p: _qk8(p) and p.get("ds_gran") == "token" and p.get("compute_warpgroups") == 2,
                   note="the warpgroups drift at the dQ amax: arrive, the dK step, then wait for the other"),
+    # both BF16 experiments on top of the TMA writer (the overlap order's gain went to the writer wait, 2026-12-03)
+    "tmov": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True, "bwd_mma_overlap": True},
+                 when=lambda p: _bf16_writer_tile(p) and p.get("head_dim") == 128, note="tmaw and mmaov together"),
+    "tmovst": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True, "bwd_mma_overlap": True, "bwd_ds_stsm": True},
+                   when=lambda p: _bf16_writer_tile(p) and p.get("head_dim") == 128, note="tmaw, mmaov and stsm"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",

@@ -200,8 +200,8 @@ def test_bwd_experiments_variants_names_and_support():
     names = [v.name for _, v in tagged]
     # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (dqtma, nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
     # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two
-    # writers), bf16: 2 non-deterministic × (mmaov, ovst), 4 × stsm; 4 non-deterministic × tmaw; 4 fp8 × drift
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 8 + 4 + 4 * 2 + 2 + 2 * 2 + 4 + 4 + 4
+    # writers), bf16: 2 non-deterministic × (mmaov, ovst, tmov, tmovst), 4 × stsm; 4 non-deterministic × tmaw; 4 fp8 × drift
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 8 + 4 + 4 * 2 + 2 + 2 * 4 + 4 + 4 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqtma":
@@ -233,9 +233,10 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag == "drift":
             src = _render(v)
             assert v.route == "fp8_token" and "cute.arch.barrier_arrive(barrier_id=AMAX_BAR0 + wg_amax," in src
-        elif tag in ("mmaov", "stsm", "ovst"):
+        elif tag in ("mmaov", "stsm", "ovst", "tmov", "tmovst"):
             src = _render(v)
-            assert v.route == "bf16" and ("StMatrix8x8x16bOp" in src) is (tag != "mmaov")
+            assert ("cute.copy(tma_atom_dq, tdQs, tdQg)" in src) is tag.startswith("tm")
+            assert v.route == "bf16" and ("StMatrix8x8x16bOp" in src) is (tag not in ("mmaov", "tmov"))
             assert ("warpgroup.wait_group(1)" in src) is (tag != "stsm")
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")

@@ -144,6 +144,24 @@ def test_dq_tma_writer_hands_the_box_to_the_writer(route):
     assert "self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, tma_atom_dq, mdQt)" in src
 
 
+def test_mma_overlap_with_the_tma_writer():
+    """bwd_mma_overlap's own body with the TMA writer: the dense staging tile (rows outside the document 0 on masked tiles),
+    handed over as the default body does; without the writer (the consumers issuing the TMA reduce) it still refuses."""
+    v = next(v for v in BF16 if v.param("head_dim") == 128 and v.param("causal")
+             and not dict(v.params).get("deterministic"))
+    tile = _one_tile(_render_with(v, bwd_dq_tma=True, bwd_dq_tma_writer=True, bwd_mma_overlap=True))
+    ov = tile[:tile.index("        return q_state")]  # the overlap body comes first in one_tile
+    at = ov.index("self.gemm(tiled_mma_dkv, acc_dK,")
+    for s in ["cute.arch.barrier(barrier_id=DQ_EMPTY_BAR", "tdQsdQ = tiled_mma_dq.get_slice(tidx).partition_C(sdQ)",
+              "if (qrow0 + tdQcdQ[i][0] < 0) | (qrow0 + tdQcdQ[i][0] >= doc_len):", "tdQsdQ[i] = v",
+              "cute.arch.fence_view_async_shared()", "cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR",
+              "warpgroup.wait_group(0)"]:
+        at = ov.index(s, at) + 1
+    assert "v = acc_dQ[i] * softmax_scale" in ov and "cute.autovec_copy(v2, dst2)" not in ov
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_mma_overlap"):
+        _render_with(v, bwd_dq_tma=True, bwd_mma_overlap=True)
+
+
 def test_dq_tma_writer_refusals():
     v = next(v for v in BF16 if v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
     d64 = next(v for v in BF16 if v.param("head_dim") == 64 and v.param("causal") and not dict(v.params).get("deterministic"))
