@@ -135,16 +135,17 @@ def build_variants_bundle(out_dir, vs, *, jobs: int = 2) -> dict:
     return m
 
 
-def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, route: str = ROUTE,
+def build_experiment_bundles(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, routes=(ROUTE,),
                              variant_globs=()) -> dict:
-    """Build the default variants and every experiment's overridden variants into ONE bundle at
-    `out_dir` (one runtime copy), narrowed to the base variants whose names match one of `variant_globs`
+    """Build the default variants of `routes` and every experiment's overridden variants into ONE bundle
+    at `out_dir` (one runtime copy), narrowed to the base variants whose names match one of `variant_globs`
     (none: all). Needs the DSL (imported lazily through the builder)."""
-    pairs = experiment_variants(flags, route)
+    routes = (routes,) if isinstance(routes, str) else tuple(routes)
+    pairs = [pair for route in routes for pair in experiment_variants(flags, route)]
     if variant_globs:
         pairs = [(t, v) for t, v in pairs if matches_any(split_name(v.name)[0], variant_globs)]
         if not pairs:
-            raise SystemExit(f"no {route} forward variant matches {list(variant_globs)}")
+            raise SystemExit(f"no {'/'.join(routes)} forward variant matches {list(variant_globs)}")
     return build_variants_bundle(out_dir, [v for _, v in pairs], jobs=jobs)
 
 
@@ -364,14 +365,16 @@ def run_exit_code(rows) -> int:
 
 
 def main(argv=None) -> int:
-    ap, _, rp = experiment_cli("python -m flamia_gen.bench.fwd_experiments", __doc__, ".dev/bundle-exp",
+    ap, bp, rp = experiment_cli("python -m flamia_gen.bench.fwd_experiments", __doc__, ".dev/bundle-exp",
                                DEFAULT_EXPERIMENTS, "GPU: verify and time every variant of the bundle")
+    bp.add_argument("--routes", default=ROUTE, help="comma-separated routes whose forward variants are copied")
     rp.add_argument("--no-probe", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "list":
         return print_experiments(EXPERIMENTS)
     if a.cmd == "build":
-        m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs, variant_globs=split_tags(a.variants))
+        m = build_experiment_bundles(a.out, split_tags(a.only), jobs=a.jobs, routes=split_tags(a.routes),
+                                     variant_globs=split_tags(a.variants))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
                iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)
