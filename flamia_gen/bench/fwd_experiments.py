@@ -34,6 +34,14 @@ def _e4m3_qk(p) -> bool:
     return p["q_fmt"] == "e4m3" and not p.get("scores_bf16")
 
 
+def _ring_default(p) -> bool:
+    """Where the template turns ex2_ring on by default (without overlap): the E4M3-QKᵀ mode, and the BF16-QKᵀ mode
+    at D = 64 and for nvfp4_mixed (2026-12-03, docs/kernels/attn_fwd.md "The ex2 turns for the BF16-QKᵀ mode")."""
+    qk_bf16 = p["q_fmt"] == "e2m1" or bool(p.get("scores_bf16"))
+    mode = _e4m3_qk(p) or (qk_bf16 and (p["head_dim"] == 64 or p["q_fmt"] == "e2m1"))
+    return mode and not p["intra_wg_overlap"]
+
+
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
 EXPERIMENTS: dict[str, dict] = {
     "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
@@ -55,12 +63,12 @@ EXPERIMENTS: dict[str, dict] = {
     # pv_defer (−17 %, spills), max_tree (−1 %) and, in round 13, fk_prefetch (−1 %) were measured and their flags removed
     "ring8": dict(over={"ex2_ring": 8}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"] and p["tile_n"] == 128,
                   note="the ex2 turn handed on after half of pass 2 (8 of 16 column groups)"),
-    # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap): the A/B
-    # against the kernel without them
-    "noring": dict(over={"ex2_ring": False}, when=lambda p: _e4m3_qk(p) and not p["intra_wg_overlap"],
+    # adopted in round 12 for the E4M3-QKᵀ mode (k_row_perm everywhere, ex2_ring without overlap), and on 2026-12-03
+    # for the BF16-QKᵀ mode at D = 64 and nvfp4_mixed (ex2_ring): the A/B against the kernel without them
+    "noring": dict(over={"ex2_ring": False}, when=_ring_default,
                    note="without the ex2 turns of the consumer warpgroups"),
-    "ringon": dict(over={"ex2_ring": True}, when=lambda p: not _e4m3_qk(p) and not p["intra_wg_overlap"],
-                   note="the ex2 turns where they are off by default (BF16 QKᵀ: nvfp4_mixed, fp8_pv, fp8_token_bf16qk)"),
+    "ringon": dict(over={"ex2_ring": True}, when=lambda p: not _ring_default(p) and not p["intra_wg_overlap"],
+                   note="the ex2 turns where they are off by default (BF16 QKᵀ at D = 128: fp8_pv, fp8_token_bf16qk)"),
     "nokperm": dict(over={"k_row_perm": False}, when=_e4m3_qk,
                     note="the P permutation by shuffles instead of the K-row-permuting TMA"),
     "r11": dict(over={"ex2_ring": False, "k_row_perm": False}, when=_e4m3_qk,

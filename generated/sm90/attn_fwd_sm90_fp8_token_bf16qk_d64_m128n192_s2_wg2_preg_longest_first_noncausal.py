@@ -58,6 +58,7 @@ PARAMS = {
     "exp_approx": "ex2",
     "k_row_perm": False,
     "fwd_window_pass": True,
+    "ex2_ring": True,
     "fwd_dynamic": True,
     "sm_count": 132,
     "spec_hash": "37e0ad7ae73797e7",
@@ -90,6 +91,7 @@ CAUSAL = False
 SM_COUNT = 132
 KEY_ALIGN = 16  # keys: the Vᵀ TMA's innermost coordinate must be a multiple of 16 bytes
 K_ROW_PERM = False  # K tile rows permuted within 16-key groups (key_of_col)
+EX2_RING_BAR0 = 5  # named barriers 5 … 4 + NUM_WG (1 … NUM_WG: the epilogue's, 3 and 4: the ping-pong's)
 UNIT_FULL_BAR = 8  # named barriers of the unit hand-over (fwd_dynamic): warp 0 → the consumer warpgroups
 UNIT_EMPTY_BAR = 9
 UNIT_THREADS = 32 + 128 * 2  # warp 0 and the consumers
@@ -595,6 +597,9 @@ class AttnFwdSm90:
         qk_scale_log2 = mTs[0] * scale_log2
 
         T = mO.shape[0]
+        # ex2_ring: the first turn is warpgroup 0's (the last one's arrive); one arrive stays pending at exit
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0, number_of_threads=256)
         cute.arch.barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -725,6 +730,8 @@ class AttnFwdSm90:
             row_max[rh] = m_new
             m_arg[rh] = mu - Float32(8.0)  # ex2 then yields P̂ = 2^8·exp2(y − m)
             rs[rh] = Float32(0.0)
+        cwg = cute.arch.make_warp_uniform(cute.arch.warp_idx() // 4) - 1  # consumer warpgroup (0 = producer's)
+        cute.arch.barrier(barrier_id=EX2_RING_BAR0 + cwg, number_of_threads=256)  # ex2_ring: this one's turn
         # pass 2: one ex2 per element gives P (for PV) and the denominator term
         for cg in cutlass.range_constexpr(24):
             fi = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 2), 2)  # 2^(−ev−8) ×2
@@ -735,6 +742,10 @@ class AttnFwdSm90:
                     e = ex2(acc_S[i] - m_arg[rh])
                     rs[rh] = rs[rh] + e * inv  # exp2(x − m)
                     acc_S[i] = e
+        nxt = cwg + 1
+        if nxt == 2:
+            nxt = Int32(0)
+        cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0 + nxt, number_of_threads=256)
         for rh in cutlass.range_constexpr(2):
             row_sum[rh] = row_sum[rh] * scale_o[rh] + rs[rh]
         return scale_o

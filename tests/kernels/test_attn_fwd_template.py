@@ -675,11 +675,15 @@ def test_compile_head_dim_64(compile_sm90, route):
 
 
 # ----------------------------------------------------------------------------- round 12 (2026-12-02)
-# ex2_ring (on for the E4M3-QKᵀ mode without intra-warpgroup overlap): the consumer warpgroups take turns
+# ex2_ring (on for the E4M3-QKᵀ mode without intra-warpgroup overlap; since 2026-12-03 also the BF16-QKᵀ mode at
+# D = 64 and nvfp4_mixed): the consumer warpgroups take turns
 # for pass 2 of the softmax through a ring of named barriers. pv_defer, max_tree, fk_prefetch: measured, not adopted,
 # removed in round 13.
 def _ring_expected(v) -> bool:
-    return v in _FP8 and not v.param("intra_wg_overlap") and v.param("compute_warpgroups") >= 2
+    """The E4M3-QKᵀ mode; since 2026-12-03 also the BF16-QKᵀ mode at D = 64 and nvfp4_mixed (its QKᵀ is BF16 too)."""
+    qk16 = v.param("q_fmt") == "e2m1" or bool(dict(v.params).get("scores_bf16"))
+    mode = v in _FP8 or (qk16 and (v.param("head_dim") == 64 or v.param("q_fmt") == "e2m1"))
+    return mode and not v.param("intra_wg_overlap") and v.param("compute_warpgroups") >= 2
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
@@ -746,7 +750,8 @@ def _ring_protocol(src: str):
 
 
 @pytest.mark.parametrize("v", [next(v for v in _FP8 if _ring_expected(v) and v.param("compute_warpgroups") == n)
-                               for n in (2, 3)], ids=lambda v: v.name)
+                               for n in (2, 3)] + [next(v for v in VARIANTS if v not in _FP8 and _ring_expected(v))],
+                         ids=lambda v: v.name)
 def test_ex2_ring_protocol_alternates_and_never_deadlocks(v):
     """The ring as the rendered kernel runs it (barrier ids read from its source), on a model of named barriers
     (bar.sync of one warpgroup completes once another warpgroup's bar.arrive on the same id is in, count 2 × 128):
@@ -791,7 +796,7 @@ def test_compile_round12_default_and_experiments(compile_sm90):
     compile_sm90(v, source=_render_with(v, ex2_ring=8))
 
 
-@pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed"])
+@pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed", "fp8_pv"])
 def test_every_forward_experiment_changes_the_kernel_it_copies(route):
     """An experiment copy renders differently from its base variant (outside PARAMS and the name): a flag that
     is already the default there, or that the template ignores for that mode, would time one kernel twice."""
@@ -810,7 +815,8 @@ def test_every_forward_experiment_changes_the_kernel_it_copies(route):
         b = base[split_name(v.name)[0]]
         assert body(render_variant(v), v.name) != body(render_variant(b), b.name), (tag, b.name)
         seen.add(tag)
-    assert ("ringon" in seen) is (route == "nvfp4_mixed") and ("nokperm" in seen) is (route == "fp8_token")
+    assert ("ringon" in seen) is (route == "fp8_pv") and ("nokperm" in seen) is (route == "fp8_token")
+    assert "noring" in seen  # the E4M3-QKᵀ mode; the BF16-QKᵀ mode at D = 64 and nvfp4_mixed
 
 
 @pytest.mark.parametrize("v", [v for v in VARIANTS if v.param("causal") and dict(v.params).get("diag_v")],
