@@ -39,9 +39,6 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
-# the BF16 tile's experiments (mask-free interior tiles); with the writer warp (not the deterministic dQ) for mmaov
-_bf16_tile = lambda p: p.get("v_fmt") != "e4m3" and p.get("bwd_interior_nomask", True)  # noqa: E731
-_bf16_writer_tile = lambda p: _bf16_tile(p) and _dq_writer(p)  # noqa: E731
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
@@ -53,10 +50,6 @@ EXPERIMENTS: dict[str, dict] = {
     **{f"trim{cg}": dict(over={"bwd_alu_trim": True, "bwd_dq_amax_cg": cg}, when=_qk8,
                          note=f"ALU trim, dQ amax {'per-column butterflies' if cg == 0 else f'reduce-scatter, {2 * cg} columns a batch'}")
        for cg in (0, 1, 4)},
-    # bwd_dq_tma (2026-12-01, eighth session): the dQ partial added by one TMA tensor reduce of the whole tile (issued
-    # by the first consumer warp) instead of one bulk reduce-add per row (threads < tile_m); non-deterministic variants
-    "dqtma": dict(over={"bwd_dq_tma": True}, when=lambda p: not p.get("deterministic"),
-                  note="dQ partial: one TMA tensor reduce-add per tile"),
     # bwd_dq_warp and bwd_q_row_perm (on since 2026-12-02, eleventh session; H200: bitwise equal, fp8_token −9 … −10 %,
     # bf16 −3 … −5 %): the kernels without them, as A/B copies against the new defaults
     "nodqwarp": dict(over={"bwd_dq_warp": False}, when=_dq_writer,
@@ -97,27 +90,6 @@ EXPERIMENTS: dict[str, dict] = {
     "nosq3": dict(over={"bwd_sq32_win_copy": False},
                   when=lambda p: p.get("ds_gran") == "square_32" and p.get("bwd_interior_nomask", True),
                   note="a window's tiles in the masked copy of one_tile (the kernel before bwd_sq32_win_copy)"),
-    # bwd_mma_overlap (experiment, 2026-12-03): the BF16 tile's wgmmas in an order that keeps the tensor cores fed
-    "mmaov": dict(over={"bwd_mma_overlap": True}, when=_bf16_writer_tile,
-                  note="P under dPᵀ, dV issued before the dS pass, dK after dQ (runs under the dQ stores)"),
-    # bwd_ds_stsm (experiment, 2026-12-03): the BF16 dS stored with stmatrix (4 instructions instead of 32 16-bit stores)
-    "stsm": dict(over={"bwd_ds_stsm": True}, when=_bf16_tile,
-                 note="the BF16 dS to shared memory with stmatrix (transposed 8×8 blocks)"),
-    "ovst": dict(over={"bwd_mma_overlap": True, "bwd_ds_stsm": True}, when=_bf16_writer_tile,
-                 note="mmaov and stsm together"),
-    # bwd_dq_tma_writer (experiment, 2026-12-03): the writer warp issues one TMA tensor reduce-add per tile (bwd_dq_tma's)
-    "tmaw": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True},
-                 when=lambda p: _dq_writer(p) and p.get("head_dim") == 128,
-                 note="the dQ writer warp issues one TMA tensor reduce-add of the (tile_m, D) box per tile"),
-    # bwd_amax_drift (experiment, 2026-12-03): each warpgroup arrives after its dQ-amax atomics, finishes dK, then waits
-    "drift": dict(over={"bwd_amax_drift": True},
-                  when=lambda p: _qk8(p) and p.get("ds_gran") == "token" and p.get("compute_warpgroups") == 2,
-                  note="the warpgroups drift at the dQ amax: arrive, the dK step, then wait for the other"),
-    # both BF16 experiments on top of the TMA writer (the overlap order's gain went to the writer wait, 2026-12-03)
-    "tmov": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True, "bwd_mma_overlap": True},
-                 when=lambda p: _bf16_writer_tile(p) and p.get("head_dim") == 128, note="tmaw and mmaov together"),
-    "tmovst": dict(over={"bwd_dq_tma": True, "bwd_dq_tma_writer": True, "bwd_mma_overlap": True, "bwd_ds_stsm": True},
-                   when=lambda p: _bf16_writer_tile(p) and p.get("head_dim") == 128, note="tmaw, mmaov and stsm"),
     # the deterministic dQ with the counter: 1.3 … 1.75× slower on the H200 (2026-12-02), not the default
     "dyndet": dict(over={"bwd_dynamic": True, "bwd_head_section": 2},
                    when=lambda p: bool(p.get("deterministic")) and p.get("ds_gran") != "tensor",

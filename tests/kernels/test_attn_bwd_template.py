@@ -365,14 +365,6 @@ def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
             assert consumer in _render_with(v, bwd_dq_warp=False)
             off = _render_with(v, bwd_dq_bulk=False)
             assert "bulk_reduce_add_f32" not in off and "bwd_dq_bulk" not in _literals(off)["PARAMS"]
-            # bwd_dq_tma (off by default): one TMA tensor reduce of the whole tile instead of the row copies
-            assert "bwd_dq_tma" not in lit["PARAMS"] and "CopyReduceBulkTensorTileS2GOp" not in src
-            tma = _render_with(v, bwd_dq_tma=True)
-            assert _literals(tma)["PARAMS"]["bwd_dq_tma"] is True and "CopyReduceBulkTensorTileS2GOp()" in tma
-            assert "sdQ.iterator + tidx * DQ_LD" not in tma and "cute.copy(tma_atom_dq, tdQs, tdQg)" in tma
-            assert "if (qrow0 + tdQcdQ[i][0] < 0) | (qrow0 + tdQcdQ[i][0] >= doc_len):" in tma  # other rows: +0.0
-        if _is_det(v):
-            assert _render_with(v, bwd_dq_tma=True) == src  # the ordered path has no staging tile
 
 
 def test_dq_bulk_staging_rows_are_bank_conflict_free_and_aligned(variants):
@@ -411,15 +403,6 @@ def test_dq_bulk_order_of_wait_store_fence_barrier_issue(variants):
     assert i_wait < i_gemm < i_store < i_fence < i_bar < i_issue < i_commit
     mma = src[src.index("    def mma("):src.index("    def load2(")]
     assert mma.replace("@cute.jit", "").rstrip().endswith("cute.arch.cp_async_bulk_wait_group(0, read=False)")
-
-
-@pytest.mark.compile
-def test_compile_dq_tma_bf16(variants, compile_sm90):
-    """bwd_dq_tma: the dQ partial leaves through one TMA tensor reduce per tile copy (masked, interior)."""
-    v = next(v for v in variants if v.route == "bf16" and v.param("causal") and not _is_det(v))
-    ptx = compile_sm90(v, source=_render_with(v, bwd_dq_tma=True))
-    assert ptx.count("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add") == 2
-    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" not in ptx
 
 
 @pytest.mark.compile
