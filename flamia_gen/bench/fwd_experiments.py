@@ -82,6 +82,10 @@ EXPERIMENTS: dict[str, dict] = {
     # 0.96× at 1×16384 / 4×4096 causal): the round-robin kernel before it, as an A/B copy
     "nodyn": dict(over={"fwd_dynamic": False}, when=lambda p: p.get("scheduler") != "static",
                   note="persistent CTAs, units b, b + grid, … (the kernel before the atomic-counter scheduler)"),
+    # fwd_wg_skip (2026-12-03, eighteenth session; docs/kernels/attn_fwd.md "Dead warpgroup tiles"): a warpgroup skips
+    # the key tiles none of its rows sees (8.3 % of m192n128's warpgroup tiles at 4×4096 causal, 2.3 % at 1×16384)
+    "wgskip": dict(over={"fwd_wg_skip": True}, when=lambda p: not p["intra_wg_overlap"],
+                   note="a warpgroup skips the key tiles none of its 64 rows can see"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"
@@ -237,12 +241,37 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             row["cos_emu"] = min(r["cos_emulator"] for r in vr)
             pr = [r.get("probe_max_rel_change") for r in vr if "probe_max_rel_change" in r]
             row["probe"] = max(pr) if pr else None
+            if tag and base in b.variants:
+                row["bitwise"] = same_as_base(b, b.variants[base], e)
         for docs in workloads:
             t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
             row[wl_key(docs)] = t["tflops"]
 
     return run_entries(select_entries(b, "attn_fwd", only, causal_only), measure, _fmt_row, table, workloads,
                        json_out, entry_timeout=entry_timeout)
+
+
+BITWISE_ROWS = ([300, 1000, 1, 129, 2048, 77], [1, 2, 3, 1, 5, 130, 1, 64, 127, 129], [4096, 4096])
+
+
+def same_as_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq: int = 4, hkv: int = 2) -> bool:
+    """Whether an experiment copy gives its base variant's O and LSE bit for bit on fresh Gaussian inputs (documents
+    ending mid-tile, one-token documents, two long ones); outputs are poisoned before each run, so a NaN or an
+    element left unwritten fails."""
+    import torch
+
+    from ..spec import get_route
+    from ..verify.attn_gpu import make_qkv, run_kernel
+
+    route = get_route(entry["uses"][0])
+    gen = torch.Generator().manual_seed(7)
+    for docs in rows:
+        q, k, v, cu = make_qkv(docs, hq, hkv, entry["params"]["head_dim"], "gauss", gen, "cuda")
+        o0, l0 = run_kernel(bundle.get(base_entry["name"]), base_entry, route, q, k, v, cu)
+        o1, l1 = run_kernel(bundle.get(entry["name"]), entry, route, q, k, v, cu)
+        if not (torch.equal(o0, o1) and torch.equal(l0, l1)):
+            return False
+    return True
 
 
 def _abandon_hung_run(rows, row, timeout, fmt_row, table_fn, workloads, json_out) -> None:
@@ -298,6 +327,8 @@ def _fmt_row(row, workloads) -> str:
     if "ok" in row:
         cells.append(f"{'ok ' if row['ok'] else 'BAD'} cos {row['cos_emu']:.6f}")
         cells.append(f"probe {row['probe']:.1e}" if row.get("probe") is not None else "probe  -     ")
+    if "bitwise" in row:
+        cells.append("bitwise" if row["bitwise"] else "DIFFERS")
     for k in _wl_keys(workloads):
         cells.append(f"{k} {row[k]:6.0f}" if k in row else f"{k}      -")
     if "error" in row:
