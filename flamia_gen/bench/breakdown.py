@@ -5,7 +5,8 @@ train: quantizer launches, attention kernels, torch ops around them), from torch
 
 The same adapters and input sets as `flamia-gen bench` (several, rotated, so L2 cannot hold them), so the
 rows add up to the bench's time, less the host gaps (wall vs GPU time). Kernel names are shortened;
-`--top` rows per call.
+`--top` rows per call. The host time to issue a call (no profiler attached) is printed beside the GPU sum: where
+it is the larger, the call is host-bound (2026-12-03: fp8_token's op forward at 4×4096 was).
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def kernel_times(fn, calls: int = 3) -> tuple[list[tuple[str, float, int]], floa
     return out, wall_ms
 
 
+def host_issue_times(fn, calls: int = 20) -> tuple[float, float]:
+    """(host ms per call to issue `calls` calls back to back, wall ms per call until the GPU is done), no profiler
+    attached. A host time near or above the GPU kernels' sum means the call is host-bound: the GPU waits for launches
+    (the op path's Python, the torch.library dispatch), which `kernel_times` cannot show."""
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls
+
+
 def _short(name: str, width: int = 70) -> str:
     name = name.replace("void ", "").split("(")[0]
     return name if len(name) <= width else name[: width - 1] + "…"
@@ -63,9 +83,11 @@ def main(argv=None) -> int:
         print(note)
     for ad in adapters:
         fn = ad.prepare(w, inputs, a.mode)
+        host, wall_np = host_issue_times(fn)
         rows, wall = kernel_times(fn, a.calls)
         total = sum(us for _, us, _ in rows)
-        print(f"{ad.name} {w.name} {a.mode}: wall {wall:.3f} ms/call, GPU kernels {total / 1e3:.3f} ms/call")
+        print(f"{ad.name} {w.name} {a.mode}: GPU kernels {total / 1e3:.3f} ms/call; without the profiler host issue "
+              f"{host:.3f} ms/call, wall {wall_np:.3f} ms/call (with it: wall {wall:.3f})")
         for name, us, n in rows[: a.top]:
             print(f"  {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %  x{n:<3d} {_short(name)}")
         del fn

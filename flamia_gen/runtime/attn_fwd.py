@@ -307,7 +307,7 @@ def unit_counter_arg(args_spec: Sequence[dict], dev) -> dict:
 def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=None, v_scale=None, *,
                  cu_seqlens, params: dict, softmax_scale: float | None = None, poison: bool = False,
                  schedule: FwdSchedule | None = None, diag: dict | None = None,
-                 qk_tensor_scale: torch.Tensor | None = None):
+                 qk_tensor_scale: torch.Tensor | None = None, check: bool = True):
     """Call a compiled attention forward; returns (o BF16 (T, HQ, D), lse fp32 (HQ, T)).
 
     `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS (tile_m,
@@ -318,17 +318,23 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     copies the token-block routes' diagonal tiles read (`diag_inputs_needed`: k_diag, k_diag_scale,
     v_t_diag, v_diag_scale). `poison` fills the outputs with NaN first, so a row the kernel never
     writes shows up. `schedule` (`fwd_schedule` of these cu_seqlens and the variant's tiles) is built
-    here when not given (callers cache it per cu_seqlens)."""
+    here when not given (callers cache it per cu_seqlens). `check=False` skips the input checks (≈ 0.1 ms of host
+    time per call on the H200 host, 2026-12-03): only for callers whose q, k, v were validated and whose codes and
+    scales come from the bundle's own quantizers (the op, `runtime.attention.packed_attention`)."""
     mode = fwd_mode(args_spec)
     fp8 = mode != "bf16"
-    T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
-                                     head_dim=params.get("head_dim"), qk_bf16=mode == "qk_bf16",
-                                     qk_tensor_scale=qk_tensor_scale)
     diag = dict(diag or {})
-    if fp8:
-        check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
-    elif diag:
-        raise ValueError(f"{sorted(diag)[0]}: the bf16 route takes no diagonal-tile copies")
+    if check:
+        T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
+                                         head_dim=params.get("head_dim"), qk_bf16=mode == "qk_bf16",
+                                         qk_tensor_scale=qk_tensor_scale)
+        if fp8:
+            check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
+        elif diag:
+            raise ValueError(f"{sorted(diag)[0]}: the bf16 route takes no diagonal-tile copies")
+    else:
+        T, HQ, D = q.shape
+        HKV = k.shape[1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device

@@ -147,11 +147,11 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if saves_codes(route):
         o, lse, codes = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
                                          int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
-                                         return_lse=True, keep_codes=True)
+                                         return_lse=True, keep_codes=True, inputs_checked=True)
         return (o, lse, *codes)
     o, lse = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
                               int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
-                              return_lse=True)
+                              return_lse=True, inputs_checked=True)
     return (o, lse, *(q.new_empty((0,), dtype=torch.uint8) for _ in range(NUM_SAVED)))
 
 

@@ -199,6 +199,32 @@ def test_run_attn_fwd_calls_in_args_order():
     assert lse.shape == (4, 40) and lse.dtype == torch.float32
 
 
+def test_run_attn_fwd_check_false_skips_the_checks_only():
+    """check=False (the op path: inputs validated by the op, codes from the bundle's quantizers) passes the same
+    arguments in the same order; check=True still names a bad input."""
+    v = next(v for v in VARIANTS if v.param("q_fmt") == "e4m3")
+    lit = _literals(render_variant(v))
+    x = _fp8_inputs()
+    calls = []
+    for check in (True, False):
+        seen = []
+        run_attn_fwd(lambda *a: seen.extend(a), lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
+                     x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], check=check)
+        calls.append(seen)
+    assert len(calls[0]) == len(calls[1]) == len(lit["ARGS"])
+    for a, b in zip(*calls):
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            if a.dtype != torch.bfloat16 and a.dtype != torch.float32:  # inputs, schedule, counter (not o, lse)
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                   b.view(torch.uint8) if b.element_size() == 1 else b)
+        else:
+            assert a == b
+    with pytest.raises(ValueError, match="q_scale"):
+        run_attn_fwd(lambda *a: None, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"].float(), x["k_scale"],
+                     x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"])
+
+
 def test_runtime_imports_without_dsl():
     code = "import sys; sys.modules['cutlass'] = None; import flamia_gen.runtime.attn_fwd; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

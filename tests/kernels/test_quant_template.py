@@ -401,3 +401,16 @@ def test_verify_quantizer_delta_fields_on_cpu(monkeypatch, zero_dq, sum_delta, b
     assert failing == bad
     # NaN rows (nan_inf input) compare equal whatever their payload
     assert all(r["ok"] for r in rows if r["field"] == "delta" and r["kind"] == "nan_inf") or "delta" in bad
+
+
+def test_allocate_outputs_plan_cache_per_args_and_sizes():
+    """The output plan is cached on (ARGS object, sizes): fresh tensors every call, new sizes give new shapes, and
+    another ARGS object (even an equal-looking one with other shapes) never reads the cached plan."""
+    args = _module_literals(render(make_context(fmt="e4m3", granularity="token")))["ARGS"]
+    a, b = allocate_outputs(args, 40, 2, 128, 1, "cpu"), allocate_outputs(args, 40, 2, 128, 1, "cpu")
+    assert {n: t.shape for n, t in a.items()} == {n: t.shape for n, t in b.items()}
+    assert all(a[n].data_ptr() != b[n].data_ptr() for n in a)
+    assert allocate_outputs(args, 64, 3, 64, 2, "cpu")["codes"].shape == (64, 3, 64)
+    other = [dict(e, shape=["T", "H"]) if e["name"] == "codes" else e for e in args]
+    assert allocate_outputs(other, 40, 2, 128, 1, "cpu")["codes"].shape == (40, 2)
+    assert allocate_outputs(args, 40, 2, 128, 1, "cpu")["codes"].shape == (40, 2, 128)

@@ -235,7 +235,9 @@ def _fake_bundle(tmp_path, with_bwd=False):
 
 def _reference_fwd(monkeypatch):
     """Stand in for the GPU forward (packed_attention) so autograd runs on CPU tensors."""
-    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse, keep_codes=False):
+    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse, keep_codes=False,
+                    inputs_checked=False):
+        assert inputs_checked  # the op validated q, k, v, cu_seqlens itself
         o, lse = q.clone(), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
         if keep_codes:  # the forward's codes: E4M3 1.0 everywhere, scale exponent 0 (127)
             codes = [torch.full(sh, 127 if len(sh) == 2 else 0x38, dtype=torch.uint8) for sh in ops_mod._saved_shapes(q, k)]
