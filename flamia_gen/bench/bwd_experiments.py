@@ -26,7 +26,7 @@ import sys
 
 from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, wl_key, build_variants_bundle, experiment_cli, experiment_table,
                               experiment_variants, matches_any, print_experiments, run_entries,  # noqa: F401
-                              run_exit_code, select_entries, split_name, split_tags)
+                              doc_rows, run_exit_code, select_entries, split_name, split_tags)
 
 # the FP8 tile with a dS amax (fp8_token, fp8_token_bf16qk: the template's qk8), where bwd_alu_trim applies
 _qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa: E731
@@ -239,16 +239,6 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
                        workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout)
 
 
-def _doc_rows(text: str) -> tuple[tuple[int, ...], ...]:
-    """--workloads ("4x4096,1x16384,8192+224x256") as the rows of document lengths `run` takes: the tuner's parser."""
-    from ..tune.space import parse_workloads
-
-    try:
-        return tuple(w.doc_lens for w in parse_workloads(text))
-    except ValueError as e:
-        raise SystemExit(f"--workloads: {e}") from None
-
-
 def _fmt_row(row, workloads) -> str:
     short = row["variant"].replace("attn_bwd_sm90_", "").replace("_m64n128_s2_wg2_preg_longest_first", "")
     cells = [f"{short:32s}", f"{row['tag']:8s}"]
@@ -295,7 +285,7 @@ def main(argv=None) -> int:
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
-               workloads=_doc_rows(a.workloads), variant_globs=split_tags(a.variants))
+               workloads=doc_rows(a.workloads), variant_globs=split_tags(a.variants))
     return run_exit_code(rows)
 
 

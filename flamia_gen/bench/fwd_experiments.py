@@ -399,6 +399,16 @@ def split_tags(text: str, run: bool = False):
     return ([t if t != "default" else "" for t in tags] or None) if run else tags
 
 
+def doc_rows(text: str) -> tuple[tuple[int, ...], ...]:
+    """--workloads ("4x4096,1x16384,8192+224x256") as the rows of document lengths `run` takes: the tuner's parser."""
+    from ..tune.space import parse_workloads
+
+    try:
+        return tuple(w.doc_lens for w in parse_workloads(text))
+    except ValueError as e:
+        raise SystemExit(f"--workloads: {e}") from None
+
+
 def run_exit_code(rows) -> int:
     return 0 if all(r.get("ok", True) and "error" not in r for r in rows) else 1
 
@@ -408,6 +418,9 @@ def main(argv=None) -> int:
                                DEFAULT_EXPERIMENTS, "GPU: verify and time every variant of the bundle")
     bp.add_argument("--routes", default=ROUTE, help="comma-separated routes whose forward variants are copied")
     rp.add_argument("--no-probe", action="store_true")
+    rp.add_argument("--workloads", default="1x16384,4x4096",
+                    help="comma-separated rows of documents, e.g. 1x16384,4x4096,8192+224x256 (the skewed row is where "
+                         "fwd_wg_skip pays)")
     a = ap.parse_args(argv)
     if a.cmd == "list":
         return print_experiments(EXPERIMENTS)
@@ -416,7 +429,8 @@ def main(argv=None) -> int:
                                      variant_globs=split_tags(a.variants))
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
-               iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None)
+               iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
+               workloads=doc_rows(a.workloads))
     return run_exit_code(rows)
 
 

@@ -154,3 +154,17 @@ def test_compile_wg_skip(compile_sm90):
     v = next(v for v in WG3 if v.route == "fp8_token" and v.param("causal") and v.param("head_dim") == 128)
     ptx = compile_sm90(v, source=_render_with(v, fwd_wg_skip=True))
     assert "bar.arrive" in ptx
+
+
+def test_fwd_experiments_run_takes_workloads(monkeypatch):
+    """`fwd_experiments run --workloads` (the skewed row is where fwd_wg_skip pays) reaches `run` as rows of
+    document lengths, through the tuner's parser; a bad row is a clear error."""
+    import flamia_gen.bench.fwd_experiments as fx
+
+    seen = {}
+    monkeypatch.setattr(fx, "run", lambda bundle, **kw: seen.update(kw) or [])
+    assert fx.main(["run", "b", "--workloads", "1x16384,4x4096,8192+224x256", "--no-verify"]) == 0
+    assert seen["workloads"] == ((16384,), (4096,) * 4, (8192,) + (256,) * 224) and seen["verify"] is False
+    assert fx.main(["run", "b"]) == 0 and seen["workloads"] == ((16384,), (4096,) * 4)
+    with pytest.raises(SystemExit, match="--workloads"):
+        fx.main(["run", "b", "--workloads", "4x"])
