@@ -1,0 +1,138 @@
+"""SASS of a bundle kernel, on the build machine: the cubin inside an exported `.so`, its resource usage and its
+tile loops (instructions, spills, ex2 per loop), so a template change can be checked for spills before any GPU time.
+
+    python -m flamia_gen.bench.sass .dev/bundle-exp/kernels/attn_fwd_..._xwgskip.so [--dump out.sass]
+    python -m flamia_gen.bench.sass A.so B.so          # the same table for two builds, side by side
+
+Needs `nvdisasm` and `cuobjdump` (CUDA 12.8+ for sm_90a): on PATH, in $FLAMIA_GEN_CUDA_BIN, or from the pip wheels
+`nvidia-cuda-nvdisasm` and `nvidia-cuda-cuobjdump` (their `nvidia/cu13/bin`). The DSL's `export_to_c` object keeps
+the cubin as a plain embedded ELF (not a fatbin section cuobjdump would find), so it is cut out by its ELF headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+EM_CUDA = 190
+SHT_NOBITS = 8
+
+
+def extract_cubins(blob: bytes) -> list[bytes]:
+    """Every 64-bit little-endian ELF image with e_machine EM_CUDA embedded in `blob` (past offset 0), each cut at the
+    end of its last section, section header table or program header table."""
+    out, i = [], 1
+    while True:
+        i = blob.find(b"\x7fELF", i)
+        if i < 0:
+            return out
+        if len(blob) >= i + 64 and blob[i + 4] == 2 and blob[i + 5] == 1 and \
+                struct.unpack_from("<H", blob, i + 18)[0] == EM_CUDA:
+            e_phoff, e_shoff = struct.unpack_from("<QQ", blob, i + 32)
+            e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", blob, i + 54)
+            end = max(e_shoff + e_shentsize * e_shnum, e_phoff + e_phentsize * e_phnum)
+            for k in range(e_shnum):
+                sh = i + e_shoff + k * e_shentsize
+                if sh + 40 > len(blob):
+                    raise ValueError(f"embedded cubin at byte {i}: section header {k} past the end of the file")
+                sh_type = struct.unpack_from("<I", blob, sh + 4)[0]
+                off, size = struct.unpack_from("<QQ", blob, sh + 24)
+                if sh_type != SHT_NOBITS:
+                    end = max(end, off + size)
+            if i + end > len(blob):
+                raise ValueError(f"embedded cubin at byte {i}: {end} bytes, past the end of the file")
+            out.append(blob[i:i + end])
+            i += end
+        else:
+            i += 4
+
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4}\*/")
+_LABEL = re.compile(r"^\.(L_x_\d+):")
+_BACK = re.compile(r"BRA[^`]*`\(\.(L_x_\d+)\)")
+
+
+def tile_loops(sass: str, mma: str = "GMMA") -> list[dict]:
+    """The loops of an `nvdisasm -c` listing that hold `mma` instructions (a back edge: BRA to an earlier label),
+    innermost first in program order: instructions, wgmma count, spill stores/loads, MUFU.EX2, barriers."""
+    lines = sass.splitlines()
+    labels = {}
+    for n, ln in enumerate(lines):
+        m = _LABEL.match(ln.strip())
+        if m:
+            labels[m.group(1)] = n
+    loops = []
+    for n, ln in enumerate(lines):
+        m = _BACK.search(ln)
+        if not m or m.group(1) not in labels or labels[m.group(1)] >= n:
+            continue
+        body = [x for x in lines[labels[m.group(1)]:n + 1] if _INSTR.search(x)]
+        g = sum(mma in x for x in body)
+        if g:
+            loops.append(dict(label=m.group(1), start=labels[m.group(1)], end=n, instructions=len(body), wgmma=g,
+                              stl=sum("STL" in x for x in body), ldl=sum("LDL" in x for x in body),
+                              ex2=sum("MUFU.EX2" in x for x in body), bar=sum(" BAR." in x for x in body)))
+    # innermost: a loop that contains no other listed loop
+    inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
+                                           for o in loops)]
+    return sorted(inner, key=lambda lp: lp["start"])
+
+
+def _tool(name: str) -> str:
+    for d in (os.environ.get("FLAMIA_GEN_CUDA_BIN"),):
+        if d and (Path(d) / name).exists():
+            return str(Path(d) / name)
+    found = shutil.which(name)
+    if found:
+        return found
+    try:  # the pip wheels nvidia-cuda-nvdisasm / nvidia-cuda-cuobjdump
+        import nvidia  # noqa: F401
+
+        for base in nvidia.__path__:
+            for p in Path(base).glob(f"cu*/bin/{name}"):
+                return str(p)
+    except ImportError:
+        pass
+    raise SystemExit(f"{name} not found: put it on PATH, set FLAMIA_GEN_CUDA_BIN, or pip install nvidia-cuda-{name}")
+
+
+def describe(so: str, dump: str | None = None) -> dict:
+    """{resources, loops} of the (single) kernel cubin in `so`."""
+    cubins = extract_cubins(Path(so).read_bytes())
+    if not cubins:
+        raise SystemExit(f"{so}: no embedded sm_XX cubin found")
+    with tempfile.TemporaryDirectory() as td:
+        cub = Path(td) / "k.cubin"
+        cub.write_bytes(cubins[0])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cub)], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cub)], capture_output=True, text=True).stdout
+    if dump:
+        Path(dump).write_text(sass)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return dict(reg=int(usage.group(1)) if usage else None, stack=int(usage.group(2)) if usage else None,
+                loops=tile_loops(sass), instructions=sum(1 for x in sass.splitlines() if _INSTR.search(x)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("so", nargs="+", help="bundle kernel .so files")
+    ap.add_argument("--dump", default=None, help="write the first file's SASS here")
+    a = ap.parse_args(argv)
+    for k, so in enumerate(a.so):
+        d = describe(so, a.dump if k == 0 else None)
+        print(f"{Path(so).name}: {d['instructions']} instructions, REG {d['reg']}, STACK {d['stack']} B")
+        for lp in d["loops"]:
+            print(f"  tile loop {lp['label']}: {lp['instructions']} instr, {lp['wgmma']} wgmma, "
+                  f"STL {lp['stl']} / LDL {lp['ldl']}, EX2 {lp['ex2']}, BAR {lp['bar']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

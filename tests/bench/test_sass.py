@@ -1,0 +1,65 @@
+"""flamia_gen.bench.sass on synthetic inputs: the embedded-cubin cut and the tile-loop summary (no CUDA tools needed)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from flamia_gen.bench.sass import extract_cubins, tile_loops
+
+
+def _elf(machine: int, sections: list[tuple[int, int, int]], payload: int = 96) -> bytes:
+    """A 64-bit LE ELF: header, `payload` bytes, then section headers (type, offset, size)."""
+    shoff = 64 + payload
+    hdr = bytearray(64)
+    hdr[0:4] = b"\x7fELF"
+    hdr[4], hdr[5], hdr[6] = 2, 1, 1
+    struct.pack_into("<HH", hdr, 16, 2, machine)
+    struct.pack_into("<QQ", hdr, 32, 0, shoff)  # no program headers
+    struct.pack_into("<HHHH", hdr, 54, 56, 0, 64, len(sections))
+    body = bytes(range(payload))
+    shdrs = b""
+    for typ, off, size in sections:
+        sh = bytearray(64)
+        struct.pack_into("<I", sh, 4, typ)
+        struct.pack_into("<QQ", sh, 24, off, size)
+        shdrs += bytes(sh)
+    return bytes(hdr) + body + shdrs
+
+
+def test_extract_cubins_cuts_each_embedded_cuda_elf():
+    cubin = _elf(190, [(1, 64, 96), (8, 0, 10 ** 6)])  # a NOBITS section never extends the image
+    host = _elf(62, [(1, 64, 32)])  # an x86-64 ELF in the blob: not a cubin
+    blob = b"\x7fELF" + b"\0" * 60 + b"junk" + cubin + b"tail" + host + cubin[:64] + b"\0" * 8
+    with pytest.raises(ValueError, match="past the end"):
+        extract_cubins(blob)  # a truncated second cubin is an error, never a silent partial image
+    blob = b"\x7fELF" + b"\0" * 60 + b"junk" + cubin + b"tail" + host + cubin
+    got = extract_cubins(blob)
+    assert got == [cubin, cubin]
+    assert extract_cubins(b"no elf here") == []
+
+
+def test_tile_loops_counts_innermost_loops_with_wgmma():
+    sass = "\n".join([
+        "        /*0000*/ MOV R1, c[0x0][0x28] ;",
+        ".L_x_1:",
+        "        /*0010*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;",
+        "        /*0020*/ STL [R1+0x4], R0 ;",
+        ".L_x_2:",
+        "        /*0030*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24 ;",
+        "        /*0040*/ MUFU.EX2 R3, R3 ;",
+        "        /*0050*/ LDL.LU R0, [R1+0x4] ;",
+        "        /*0060*/ BAR.SYNC.DEFER_BLOCKING R5, 0x100 ;",
+        "        /*0070*/ @P0 BRA `(.L_x_2) ;",
+        "        /*0080*/ @P1 BRA `(.L_x_1) ;",
+        ".L_x_3:",
+        "        /*0090*/ FADD R2, R2, R3 ;",
+        "        /*00a0*/ @P2 BRA `(.L_x_3) ;",
+        "        /*00b0*/ EXIT ;",
+    ])
+    loops = tile_loops(sass)
+    assert len(loops) == 1  # L_x_1 holds L_x_2; L_x_3 has no wgmma
+    lp = loops[0]
+    assert (lp["label"], lp["instructions"], lp["wgmma"], lp["stl"], lp["ldl"], lp["ex2"], lp["bar"]) == \
+        ("L_x_2", 5, 1, 0, 1, 1, 1)
