@@ -74,21 +74,32 @@ def _one_per_tiling():
 
 @pytest.mark.parametrize("v", _one_per_tiling(), ids=lambda v: v.name)
 def test_dead_tiles_are_exactly_the_invisible_ones_and_come_first(v):
-    """The warpgroup skips the first n_skip tiles of key_tiling's order and runs the rest: the skipped ones are
-    exactly the tiles without a visible (row, key) pair, they lead the order (O, m, l still at their start values),
-    and the warpgroup still consumes every tile of the unit once (the pipelines' count)."""
+    """A warpgroup with every row past the document passes all the unit's tiles; otherwise it passes the first
+    n_skip tiles of key_tiling's order (causal) and runs the rest: the passed ones are exactly the tiles without a
+    visible (row, key) pair, they lead the order (O, m, l still at their start values), and every tile of the unit
+    is consumed once (the pipelines' count)."""
     src = _render_with(v, fwd_wg_skip=True)
     ast.parse(src)
     key_tiling, c = _key_tiling(src)
-    dead_prefix = _dead_prefix(src)
-    mma = src[src.index("    def mma("):src.index("    def gemm(")]
-    assert "n_skip, n_unmasked = dead_prefix(row0 + 64 * wg, doc_len, nblk, n_hi, n_hi + n_lo, n_mask - n_lo, delta)" \
-        in mma
-    assert "for i in cutlass.range(n_skip, unroll=1):\n                    kv_state = self.dead_tile(" in mma
-    assert "for i in cutlass.range(n_skip, n_hi + n_lo, unroll=1):" in mma
-    assert "for i in cutlass.range(n_unmasked, unroll=1):" in mma
-    tm, tn = c["TILE_M"], c["TILE_N"]
     causal = v.param("causal")
+    dead_prefix = _dead_prefix(src) if causal else (lambda *a: 0)
+    assert ("def dead_prefix(" in src) is causal
+    mma = src[src.index("    def mma("):src.index("    def gemm(")]
+    branch = ("                if row0 + 64 * wg >= doc_len:\n"
+              "                    for i in cutlass.range(nblk, unroll=1):\n"
+              "                        kv_state = self.dead_tile(pipe_k, pipe_v, kv_state)\n"
+              "                else:\n")
+    assert branch in mma
+    rest = mma[mma.index(branch) + len(branch):]
+    if causal:
+        assert rest.startswith("                    n_skip = dead_prefix(row0 + 64 * wg, nblk, n_hi, delta)\n"
+                               "                    for i in cutlass.range(n_skip, unroll=1):\n"
+                               "                        kv_state = self.dead_tile(")
+    masked_loop = "for i in cutlass.range(n_skip, n_hi + n_lo, unroll=1):" if causal else \
+        "for i in cutlass.range(n_hi + n_lo, unroll=1):"
+    assert "                    " + masked_loop in rest  # inside the else branch, as is the unmasked loop
+    assert "                    for i in cutlass.range(n_mask - n_lo, unroll=1):" in rest
+    tm, tn = c["TILE_M"], c["TILE_N"]
     n_wg = v.param("compute_warpgroups")
     assert tm == 64 * n_wg
     g = torch.Generator().manual_seed(3)
@@ -105,11 +116,12 @@ def test_dead_tiles_are_exactly_the_invisible_ones_and_come_first(v):
                 row0 = mb * tm
                 for w in range(n_wg):
                     rows = [r for r in range(row0 + 64 * w, row0 + 64 * w + 64) if r < L]
-                    n_skip, n_un = dead_prefix(row0 + 64 * w, L, nblk, n_hi, n_hi + n_lo, n_mask - n_lo, delta)
-                    order = masked + unmasked
-                    dead = order[:n_skip]
-                    live = masked[n_skip:] + unmasked[:n_un]
-                    assert n_skip + len(live) == nblk and sorted(dead + live) == list(range(nblk)), (s, L, mb, w)
+                    if row0 + 64 * w >= L:
+                        dead, live = masked + unmasked, []
+                    else:
+                        n_skip = dead_prefix(row0 + 64 * w, nblk, n_hi, delta)
+                        dead, live = masked[:n_skip], masked[n_skip:] + unmasked
+                    assert sorted(dead + live) == list(range(nblk)), (s, L, mb, w)
 
                     def visible(n):
                         keys = [k for k in range(n * tn - delta, (n + 1) * tn - delta) if 0 <= k < L]
