@@ -130,15 +130,19 @@ def _launcher_order_matches_args(src: str, names: list[str]) -> None:
     assert fakes == names[:names.index("cu_seqlens")]
 
 
-def _render_mode_neutral(v) -> str:
-    """The render without the two E4M3-QKᵀ-mode defaults of 2026-12-02 (k_row_perm, ex2_ring): they are
-    speed choices of that mode, not its numerics, and the comparisons below are about the Q/K side. On the
-    mixed mode (and every non-E4M3 one) both are off anyway, so its render is unchanged."""
+def _render_with(v, **extra) -> str:
     from flamia_gen.render.render import HEADER, _environment, templates_dir
 
-    body = _environment(templates_dir()).get_template(v.template).render(
-        **dict(v.context, k_row_perm=False, ex2_ring=False))
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
     return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _render_mode_neutral(v) -> str:
+    """The render without the E4M3-QKᵀ mode's speed defaults of 2026-12-02 (k_row_perm, ex2_ring): speed choices,
+    not numerics, and the comparisons below are about the Q/K side. The mixed mode never permutes K rows; its ex2
+    turns are on since 2026-12-03 (nvfp4_mixed, docs/kernels/attn_fwd.md "The ex2 turns for the BF16-QKᵀ mode"), so
+    its mode-neutral render is its render without the turns."""
+    return _render_with(v, k_row_perm=False, ex2_ring=False)
 
 
 def _code_lines(v) -> list[str]:
@@ -240,7 +244,9 @@ def test_mixed_render_differs_from_fp8_only_on_the_qk_side(v):
         add = {x for x in add if not _PARAM_LINE.match(x)}
         assert rem == _FP8_ONLY, (tw.name, sorted(rem ^ _FP8_ONLY))
         assert add == _MIXED_ONLY, (tw.name, sorted(add ^ _MIXED_ONLY))
-        assert _render_mode_neutral(v) == render_variant(v)
+        assert _render_with(v, k_row_perm=False) == render_variant(v)  # K rows never permuted in the mixed mode
+        assert ("EX2_RING_BAR0" in render_variant(v)) is (v.param("compute_warpgroups") >= 2
+                                                         and not v.param("intra_wg_overlap"))  # the turns
         mine, theirs = _defs(render_variant(v)), _defs(_render_mode_neutral(tw))
         for fn in _SHARED_AFTER_S:
             assert mine.get(fn) == theirs.get(fn), fn
