@@ -332,9 +332,10 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
             check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
         elif diag:
             raise ValueError(f"{sorted(diag)[0]}: the bf16 route takes no diagonal-tile copies")
-    else:
+    else:  # the one check no caller's validation covers, and a pair of integer ops: int32 element offsets
         T, HQ, D = q.shape
         HKV = k.shape[1]
+        _need(T * max(HQ, 1) * D < 2 ** 31, "q", "T·HQ·D must fit in int32 element offsets")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.device

@@ -223,6 +223,12 @@ def test_run_attn_fwd_check_false_skips_the_checks_only():
     with pytest.raises(ValueError, match="q_scale"):
         run_attn_fwd(lambda *a: None, lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"].float(), x["k_scale"],
                      x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"])
+    # the int32 offset bound holds with check=False too (no caller's validation covers it): a q of 2^31 elements,
+    # as a zero-stride view (no memory), is refused before any launch
+    huge = torch.zeros(1, dtype=x["q"].dtype).expand(2 ** 31 // (4 * 128), 4, 128)
+    with pytest.raises(ValueError, match="int32 element offsets"):
+        run_attn_fwd(lambda *a: pytest.fail("launched"), lit["ARGS"], huge, x["k"], x["v"], x["q_scale"],
+                     x["k_scale"], x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], check=False)
 
 
 def test_runtime_imports_without_dsl():
