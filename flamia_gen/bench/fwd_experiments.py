@@ -42,6 +42,20 @@ def _ring_default(p) -> bool:
     return mode and not p["intra_wg_overlap"]
 
 
+def _wg_skip_default(p) -> bool:
+    """Where the template turns fwd_wg_skip on by default: causal, 3 or more consumer warpgroups, no overlap, not
+    nvfp4_mixed at D = 64 (2026-12-04, docs/kernels/attn_fwd.md "Dead warpgroup tiles")."""
+    nvfp4_d64 = p["q_fmt"] == "e2m1" and p["head_dim"] == 64
+    return p["causal"] and p["compute_warpgroups"] >= 3 and not p["intra_wg_overlap"] and not nvfp4_d64
+
+
+def _uniform_kv_applies(p) -> bool:
+    """Where the template takes fwd_uniform_kv: the E4M3-QKᵀ mode with tensor-scaled K and V (fp8_tensor), no
+    diagonal tiles."""
+    return _e4m3_qk(p) and p["k_gran"] == "tensor" and p["v_gran"] == "tensor" \
+        and not p.get("diag_k") and not p.get("diag_v")
+
+
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
 EXPERIMENTS: dict[str, dict] = {
     "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
@@ -84,8 +98,17 @@ EXPERIMENTS: dict[str, dict] = {
                   note="persistent CTAs, units b, b + grid, … (the kernel before the atomic-counter scheduler)"),
     # fwd_wg_skip (2026-12-03, eighteenth session; docs/kernels/attn_fwd.md "Dead warpgroup tiles"): a warpgroup skips
     # the key tiles none of its rows sees (8.3 % of m192n128's warpgroup tiles at 4×4096 causal, 2.3 % at 1×16384)
-    "wgskip": dict(over={"fwd_wg_skip": True}, when=lambda p: not p["intra_wg_overlap"],
-                   note="a warpgroup skips the key tiles none of its 64 rows can see"),
+    # (third form) on by default since 2026-12-04 for causal kernels of 3+ warpgroups: "wgskip" turns it on where it
+    # is off (non-causal, 2 warpgroups), "nowgskip" is the A/B copy without it
+    "wgskip": dict(over={"fwd_wg_skip": True}, when=lambda p: not p["intra_wg_overlap"] and not _wg_skip_default(p),
+                   note="a warpgroup skips the key tiles none of its 64 rows can see (where it is off by default)"),
+    # fwd_uniform_kv (2026-12-04; docs/kernels/attn_fwd.md "Uniform K and V factors"): tensor-scaled K and V
+    # read their one factor per unit instead of per column pair in both softmax passes (what the factors cost)
+    # H200 2026-12-04: bitwise equal, fp8_tensor D = 128 1.03 … 1.12× on the 4 variants run; off until all have run
+    "ukv": dict(over={"fwd_uniform_kv": True}, when=_uniform_kv_applies,
+                note="the K and V factors once per unit (tensor scales) instead of per key from shared memory"),
+    "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
+                     note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
 DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
 ROUTE = "fp8_token"
