@@ -107,6 +107,12 @@ EXPERIMENTS: dict[str, dict] = {
     # H200 2026-12-04: bitwise equal, fp8_tensor D = 128 1.03 … 1.12× on the 4 variants run; off until all have run
     "ukv": dict(over={"fwd_uniform_kv": True}, when=_uniform_kv_applies,
                 note="the K and V factors once per unit (tensor scales) instead of per key from shared memory"),
+    # fwd_fused_exp (2026-12-04, experiment; docs/kernels/attn_fwd.md "One FFMA for the exp argument"): y − m as one
+    # FFMA where no key carries its own offset: the bf16 route, and fp8_tensor with fwd_uniform_kv (last-bit numerics)
+    "fexp": dict(over={"fwd_fused_exp": True}, when=lambda p: p["q_fmt"] == "bf16" and not p.get("scores_bf16"),
+                 note="the exp argument as one FFMA (BF16 mode)"),
+    "ukvfexp": dict(over={"fwd_uniform_kv": True, "fwd_fused_exp": True}, when=_uniform_kv_applies,
+                    note="fwd_uniform_kv and the exp argument as one FFMA (fp8_tensor)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
