@@ -271,7 +271,7 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             pr = [r.get("probe_max_rel_change") for r in vr if "probe_max_rel_change" in r]
             row["probe"] = max(pr) if pr else None
             if tag and base in b.variants:
-                row["bitwise"] = same_as_base(b, b.variants[base], e)
+                row.update(compare_to_base(b, b.variants[base], e))
         for docs in workloads:
             t = time_attn_entry(b, e, list(docs), iters=iters, inputs_cache=inputs_cache)
             row[wl_key(docs)] = t["tflops"]
@@ -283,24 +283,39 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
 BITWISE_ROWS = ([300, 1000, 1, 129, 2048, 77], [1, 2, 3, 1, 5, 130, 1, 64, 127, 129], [4096, 4096])
 
 
-def same_as_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq: int = 4, hkv: int = 2) -> bool:
-    """Whether an experiment copy gives its base variant's O and LSE bit for bit on fresh Gaussian inputs (documents
-    ending mid-tile, one-token documents, two long ones); outputs are poisoned before each run, so a NaN or an
-    element left unwritten fails."""
+def compare_to_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq: int = 4, hkv: int = 2) -> dict:
+    """An experiment copy against its base variant on fresh Gaussian inputs (documents ending mid-tile, one-token
+    documents, two long ones): `bitwise` (O and LSE bit for bit), and, for a copy that changes numerics on purpose
+    (e.g. fwd_fused_exp), `cos_base` (the smallest O cosine over the rows) and `lse_max_abs` (LSE's largest
+    difference). Outputs are poisoned before each run, so a NaN or an element left unwritten fails `bitwise` and
+    shows as a NaN cosine."""
     import torch
 
     from ..spec import get_route
     from ..verify.attn_gpu import make_qkv, run_kernel
+    from ..numerics.metrics import cosine
 
     route = get_route(entry["uses"][0])
     gen = torch.Generator().manual_seed(7)
+    bitwise, cos_min, lse_abs = True, 1.0, 0.0
     for docs in rows:
         q, k, v, cu = make_qkv(docs, hq, hkv, entry["params"]["head_dim"], "gauss", gen, "cuda")
         o0, l0 = run_kernel(bundle.get(base_entry["name"]), base_entry, route, q, k, v, cu)
         o1, l1 = run_kernel(bundle.get(entry["name"]), entry, route, q, k, v, cu)
-        if not (torch.equal(o0, o1) and torch.equal(l0, l1)):
-            return False
-    return True
+        bitwise = bitwise and bool(torch.equal(o0, o1) and torch.equal(l0, l1))
+        c = float(cosine(o1.float(), o0.float()))
+        cos_min = c if c != c else min(cos_min, c)  # NaN sticks
+        fin = torch.isfinite(l0)
+        d = (l1.float() - l0.float()).abs()
+        lse_abs = max(lse_abs, float(d[fin].max()) if bool(fin.any()) else 0.0)
+        if not bool(torch.equal(torch.isfinite(l0), torch.isfinite(l1))):
+            lse_abs = float("inf")
+    return {"bitwise": bitwise, "cos_base": cos_min, "lse_max_abs": lse_abs}
+
+
+def same_as_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq: int = 4, hkv: int = 2) -> bool:
+    """Whether an experiment copy gives its base variant's O and LSE bit for bit (`compare_to_base`)."""
+    return compare_to_base(bundle, base_entry, entry, rows, hq, hkv)["bitwise"]
 
 
 def _abandon_hung_run(rows, row, timeout, fmt_row, table_fn, workloads, json_out) -> None:
@@ -357,7 +372,8 @@ def _fmt_row(row, workloads) -> str:
         cells.append(f"{'ok ' if row['ok'] else 'BAD'} cos {row['cos_emu']:.6f}")
         cells.append(f"probe {row['probe']:.1e}" if row.get("probe") is not None else "probe  -     ")
     if "bitwise" in row:
-        cells.append("bitwise" if row["bitwise"] else "DIFFERS")
+        cells.append("bitwise" if row["bitwise"] else
+                     f"DIFFERS (cos {row.get('cos_base', float('nan')):.7f}, lse ±{row.get('lse_max_abs', float('nan')):.1e})")
     for k in _wl_keys(workloads):
         cells.append(f"{k} {row[k]:6.0f}" if k in row else f"{k}      -")
     if "error" in row:
@@ -386,10 +402,16 @@ def experiment_table(rows, keys, head: list[str], first_cells, unit: str, fmt: s
 def table(rows, workloads) -> str:
     """One line per variant × experiment, plus the speed-up over the default per workload."""
     return experiment_table(
-        rows, _wl_keys(workloads), ["variant", "experiment", "verify", "cos_emu"],
+        rows, _wl_keys(workloads), ["variant", "experiment", "verify", "cos_emu", "vs default"],
         lambda r: [r["variant"].replace("attn_fwd_sm90_", ""), r["tag"],
                    ("ok" if r.get("ok") else "FAIL") if "ok" in r else "-",
-                   f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-"], "TFLOP/s", ".0f", ".2f")
+                   f"{r['cos_emu']:.6f}" if "cos_emu" in r else "-", _vs_default(r)], "TFLOP/s", ".0f", ".2f")
+
+
+def _vs_default(r: dict) -> str:
+    if "bitwise" not in r:
+        return "-"
+    return "bitwise" if r["bitwise"] else f"cos {r.get('cos_base', float('nan')):.7f}"
 
 
 def experiment_cli(prog: str, doc: str, default_out: str, default_flags, run_help: str):
