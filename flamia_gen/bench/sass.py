@@ -54,7 +54,7 @@ def extract_cubins(blob: bytes) -> list[bytes]:
             i += 4
 
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4}\*/")
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")  # addresses past 0xffff have five or more digits
 _LABEL = re.compile(r"^\.(L_x_\d+):")
 _BACK = re.compile(r"BRA[^`]*`\(\.(L_x_\d+)\)")
 

@@ -63,3 +63,15 @@ def test_tile_loops_counts_innermost_loops_with_wgmma():
     lp = loops[0]
     assert (lp["label"], lp["instructions"], lp["wgmma"], lp["stl"], lp["ldl"], lp["ex2"], lp["bar"]) == \
         ("L_x_2", 5, 1, 0, 1, 1, 1)
+
+
+def test_tile_loops_past_64_kib_of_code():
+    """nvdisasm prints addresses past 0xffff with five digits: those instructions count too (the FP8 backward's
+    tile loop lies there; before the fix every large kernel read "4096 instructions" and lost its main loop)."""
+    body = [f"        /*{0xfff0 + 16 * k:04x}*/ FMUL R{k}, R{k}, R{k} ;" for k in range(3)]
+    sass = "\n".join([".L_x_9:"] + body + [
+        "        /*10020*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24 ;",
+        "        /*10030*/ @P0 BRA `(.L_x_9) ;",
+    ])
+    loops = tile_loops(sass)
+    assert len(loops) == 1 and loops[0]["instructions"] == 5 and loops[0]["wgmma"] == 1
