@@ -313,11 +313,6 @@ def compare_to_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq
     return {"bitwise": bitwise, "cos_base": cos_min, "lse_max_abs": lse_abs}
 
 
-def same_as_base(bundle, base_entry: dict, entry: dict, rows=BITWISE_ROWS, hq: int = 4, hkv: int = 2) -> bool:
-    """Whether an experiment copy gives its base variant's O and LSE bit for bit (`compare_to_base`)."""
-    return compare_to_base(bundle, base_entry, entry, rows, hq, hkv)["bitwise"]
-
-
 def _abandon_hung_run(rows, row, timeout, fmt_row, table_fn, workloads, json_out) -> None:
     """The watchdog of `run_entries`: the entry has run past its timeout; keep what was measured and exit."""
     row["error"] = f"timeout: still running after {timeout:.0f} s (a hung kernel?); the run stops here"

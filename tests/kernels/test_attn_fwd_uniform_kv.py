@@ -58,7 +58,7 @@ def test_softmax_loads_no_per_key_factor(v):
     assert "row_q = cute.make_rmem_tensor((4,), Float32)" in src
     # 2^ek folded into the row factor; the per-unit values use the producer's bit formulas for every key
     assert "* scale_log2 * ck_u" in src
-    prod = src[src.index("    def load_k("):] if "    def load_k(" in src else src
+    prod = src[src.index("    def load_k("):]  # the producer's factor words
     assert "bits_f32(Uint32(kc) << Uint32(23))" in prod and "ck_u = bits_f32(Uint32(kc_u) << Uint32(23))" in src
     assert "sScale[base + scale_word(c, 1)] = Float32(vc - 127)" in src and "row_q[2] = Float32(vc_u - 127)" in src
     p = v.param("p_static_exponent")
