@@ -56,6 +56,16 @@ def _uniform_kv_applies(p) -> bool:
         and not p.get("diag_k") and not p.get("diag_v")
 
 
+def _fused_exp_applies(p) -> bool:
+    """Where the template takes fwd_fused_exp: keys without per-key offsets (bf16; fp8_tensor with fwd_uniform_kv)."""
+    return (p["q_fmt"] == "bf16" and not p.get("scores_bf16")) or _uniform_kv_applies(p)
+
+
+def _fused_exp_default(p) -> bool:
+    """Where the template turns fwd_fused_exp on by default: everywhere it applies but bf16 D = 128 non-causal."""
+    return _fused_exp_applies(p) and (p["q_fmt"] != "bf16" or p["causal"] or p["head_dim"] == 64)
+
+
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
 EXPERIMENTS: dict[str, dict] = {
     "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
@@ -103,16 +113,17 @@ EXPERIMENTS: dict[str, dict] = {
     "wgskip": dict(over={"fwd_wg_skip": True}, when=lambda p: not p["intra_wg_overlap"] and not _wg_skip_default(p),
                    note="a warpgroup skips the key tiles none of its 64 rows can see (where it is off by default)"),
     # fwd_uniform_kv (2026-12-04; docs/kernels/attn_fwd.md "Uniform K and V factors"): tensor-scaled K and V
-    # read their one factor per unit instead of per column pair in both softmax passes (what the factors cost)
-    # H200 2026-12-04: bitwise equal, fp8_tensor D = 128 1.03 … 1.12× on the 4 variants run; off until all have run
-    "ukv": dict(over={"fwd_uniform_kv": True}, when=_uniform_kv_applies,
-                note="the K and V factors once per unit (tensor scales) instead of per key from shared memory"),
-    # fwd_fused_exp (2026-12-04, experiment; docs/kernels/attn_fwd.md "One FFMA for the exp argument"): y − m as one
-    # FFMA where no key carries its own offset: the bf16 route, and fp8_tensor with fwd_uniform_kv (last-bit numerics)
-    "fexp": dict(over={"fwd_fused_exp": True}, when=lambda p: p["q_fmt"] == "bf16" and not p.get("scores_bf16"),
-                 note="the exp argument as one FFMA (BF16 mode)"),
-    "ukvfexp": dict(over={"fwd_uniform_kv": True, "fwd_fused_exp": True}, when=_uniform_kv_applies,
-                    note="fwd_uniform_kv and the exp argument as one FFMA (fp8_tensor)"),
+    # read their one factor per unit instead of per column pair in both softmax passes; on by default since the
+    # twentieth session (H200: bitwise equal, 1.00 … 1.21× on all 18 fp8_tensor variants): "noukv" is the A/B copy
+    "noukv": dict(over={"fwd_uniform_kv": False}, when=_uniform_kv_applies,
+                  note="the K and V factors per key from shared memory (the kernel before fwd_uniform_kv)"),
+    # fwd_fused_exp (2026-12-04; docs/kernels/attn_fwd.md "One FFMA for the exp argument"): y − m as one FFMA where
+    # no key carries its own offset (the bf16 route, fp8_tensor; last-bit numerics); on by default since the twentieth
+    # session except bf16 D = 128 non-causal (4×4096 0.88 … 0.92×): "fexp" turns it on there, "nofexp" is the A/B copy
+    "fexp": dict(over={"fwd_fused_exp": True}, when=lambda p: _fused_exp_applies(p) and not _fused_exp_default(p),
+                 note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal)"),
+    "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
+                   note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }

@@ -58,6 +58,8 @@ PARAMS = {
     "exp_approx": "ex2",
     "k_row_perm": True,
     "fwd_window_pass": True,
+    "fwd_uniform_kv": True,
+    "fwd_fused_exp": True,
     "ex2_ring": True,
     "fwd_dynamic": True,
     "sm_count": 132,
@@ -125,6 +127,14 @@ def atomic_add_i32(ptr, val, *, loc=None, ip=None):
 @dsl_user_op
 def ex2(x, *, loc=None, ip=None):
     return Float32(_asm(_T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                        loc, ip))
+
+
+@dsl_user_op
+def ffma(a, b, c, *, loc=None, ip=None):
+    """a·b + c rounded once (fwd_fused_exp's exp argument)."""
+    return Float32(_asm(_T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip),
+                                   Float32(c).ir_value(loc=loc, ip=ip)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
                         loc, ip))
 
 
@@ -478,7 +488,7 @@ class AttnFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_qk, tiled_mma_pv,
-                     mQs,
+                     mQs, mKs, mVs,
                      mCu, mWork, sUnit, mRowDoc, mO, mLSE, sQ, sK, sV, sScale, sO, pipe_q, pipe_k, pipe_v, scale_log2,
                      tidx - 128, HQ, num_units)
 
@@ -588,7 +598,7 @@ class AttnFwdSm90:
     # -----------------------------------------------------------------------------------
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-            mQs: cute.Tensor,
+            mQs: cute.Tensor, mKs: cute.Tensor, mVs: cute.Tensor,
             mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mRowDoc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sScale: cute.Tensor, sO: cute.Tensor,
             pipe_q, pipe_k, pipe_v, scale_log2: Float32, tidx: Int32, HQ: Int32, num_units: Int32):
@@ -607,7 +617,7 @@ class AttnFwdSm90:
         tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
-        row_q = cute.make_rmem_tensor((2,), Float32)
+        row_q = cute.make_rmem_tensor((4,), Float32)
 
         T = mO.shape[0]
         # ex2_ring: the first turn is warpgroup 0's (the last one's arrive); one arrive stays pending at exit
@@ -630,14 +640,21 @@ class AttnFwdSm90:
                 lim_len = doc_len
                 if window != 0:
                     lim_len = -doc_len
+                # fwd_uniform_kv: the head's one K and V exponent (token 0; every token carries it)
+                hkv_u = head // (HQ // mKs.shape[1])
+                kc_u = Int32(mKs[0, hkv_u])
+                vc_u = Int32(mVs[0, hkv_u])
+                ck_u = bits_f32(Uint32(kc_u) << Uint32(23))
+                row_q[2] = Float32(vc_u - 127)
+                row_q[3] = bits_f32(Uint32(cutlass.max(Int32(246) - vc_u, Int32(1))) << Uint32(23))
                 for rh in cutlass.range_constexpr(2):
                     row_max[rh] = -Float32.inf
                     row_sum[rh] = Float32(0.0)
                     tok = q0 + tScS[2 * rh][0]
-                    qc = Int32(0)
+                    qc = Int32(127)  # fwd_fused_exp: rows past T keep a factor > 0
                     if tok < T:
                         qc = Int32(mQs[tok, head])
-                    row_q[rh] = bits_f32(Uint32(qc) << Uint32(23)) * scale_log2
+                    row_q[rh] = bits_f32(Uint32(qc) << Uint32(23)) * scale_log2 * ck_u
                 acc_O.fill(0.0)
                 # Tiles in key_tiling's order; a tile is passed as key0 = n·tile_n − delta, the
                 # document-local key of its column 0. Masked: nblk−1 … n_mask (causal / end of
@@ -698,14 +715,11 @@ class AttnFwdSm90:
         base = stage * self.scale_words
         # pass 1: y = x (+ ev): base-2 logits of visible keys, -inf elsewhere; row max of y
         for cg in cutlass.range_constexpr(16):
-            # (2^ek, 2^ek, ev, ev) of this thread's column pair 8·cg + 2t + {0, 1}: one 16-byte load
-            fk = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 0), 4)
+            # fwd_uniform_kv: 2^ek is inside row_q, ev is row_q[2]
             for cp in cutlass.range_constexpr(2):
-                ck = fk[cp]
-                ev = fk[2 + cp]
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    y = acc_S[i] * ck * row_q[rh] + ev
+                    y = acc_S[i]  # fwd_fused_exp: the raw accumulator; row_q (and ev) join pass 2's FFMA
                     if const_expr(mask):
                         # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
                         # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
@@ -740,24 +754,25 @@ class AttnFwdSm90:
                             mx[rh] = fmax2(mx[rh], y)
         rs = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
-            m_new = fmax2(row_max[rh], ceil_f32(quad_max(mx[rh])))
+            # fwd_fused_exp: the row max in the y domain, the same float pass 1 would have found (monotone: row_q > 0)
+            ymax = quad_max(mx[rh]) * row_q[rh] + row_q[2]
+            m_new = fmax2(row_max[rh], ceil_f32(ymax))
             mu = m_new
             if m_new == -Float32.inf:
                 mu = Float32(0.0)
             scale_o[rh] = ex2(row_max[rh] - mu)  # exact power of two (0 on the first visible tile)
             row_max[rh] = m_new
-            m_arg[rh] = mu - Float32(8.0)  # ex2 then yields P̂ = 2^8·exp2(y − m)
+            m_arg[rh] = row_q[2] - mu + Float32(8.0)  # fwd_fused_exp: the addend ev − m + p (integers: exact)
             rs[rh] = Float32(0.0)
         cwg = cute.arch.make_warp_uniform(cute.arch.warp_idx() // 4) - 1  # consumer warpgroup (0 = producer's)
         cute.arch.barrier(barrier_id=EX2_RING_BAR0 + cwg, number_of_threads=256)  # ex2_ring: this one's turn
         # pass 2: one ex2 per element gives P (for PV) and the denominator term
         for cg in cutlass.range_constexpr(16):
-            fi = self.load_scales(sScale, base + scale_word(tScS[4 * cg][1], 2), 2)  # 2^(−ev−8) ×2
             for cp in cutlass.range_constexpr(2):
-                inv = fi[cp]
+                inv = row_q[3]  # fwd_uniform_kv
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    e = ex2(acc_S[i] - m_arg[rh])
+                    e = ex2(ffma(acc_S[i], row_q[rh], m_arg[rh]))
                     rs[rh] = rs[rh] + e * inv  # exp2(x − m)
                     acc_S[i] = e
         nxt = cwg + 1

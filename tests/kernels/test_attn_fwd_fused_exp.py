@@ -29,25 +29,42 @@ def _softmax(src: str) -> str:
     return src[i:src.index("\n    def ", i + 1)]
 
 
-@pytest.mark.parametrize("v", BF16 + TENSOR[:4], ids=lambda v: v.name)
-def test_off_by_default(v):
+def _on_by_default(v) -> bool:
+    return v.route == "fp8_tensor" or v.param("causal") or v.param("head_dim") == 64
+
+
+def test_default_set():
+    """On for every fp8_tensor variant and every bf16 one but D = 128 non-causal (2026-12-04)."""
+    off = {v.name for v in BF16 + TENSOR if not _on_by_default(v)}
+    assert off and all(n.startswith("attn_fwd_sm90_bf16_d128_") and n.endswith("_noncausal") for n in off)
+    assert {v.name for v in BF16 if v.param("head_dim") == 128 and not v.param("causal")} == off
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_default_exactly_where_it_applies(v):
     src = render_variant(v)
-    assert "fwd_fused_exp" not in src and "ffma(" not in src
-    assert _render_with(v, fwd_fused_exp=False) == src
+    if v.route in ("bf16", "fp8_tensor") and _on_by_default(v):
+        assert '"fwd_fused_exp": True' in src and "ffma(acc_S[i], row_q[rh], m_arg[rh])" in src
+        assert _render_with(v, fwd_fused_exp=True) == src
+        off = _render_with(v, fwd_fused_exp=False)
+        assert off != src and "fwd_fused_exp" not in off and "ffma(" not in off
+    else:
+        assert "fwd_fused_exp" not in src and "ffma(" not in src
+        assert _render_with(v, fwd_fused_exp=False) == src
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "mxfp8", "fp8_pv", "fp8_token_bf16qk", "nvfp4_mixed", "fp8_tensor"])
 def test_refused_where_keys_carry_offsets(route):
     """Per-key offsets (ev, 2^ek) make y − m a per-(row, key) FADD anyway; fp8_tensor only with fwd_uniform_kv."""
     v = next(v for v in VARIANTS if v.route == route)
+    extra = dict(fwd_uniform_kv=False) if route == "fp8_tensor" else {}
     with pytest.raises(Exception, match="fwd_fused_exp_needs_keys_without_per_key_offsets"):
-        _render_with(v, fwd_fused_exp=True)
+        _render_with(v, fwd_fused_exp=True, **extra)
 
 
 @pytest.mark.parametrize("v", BF16 + TENSOR, ids=lambda v: v.name)
 def test_rendered_passes(v):
-    extra = dict(fwd_fused_exp=True) if v.route == "bf16" else dict(fwd_fused_exp=True, fwd_uniform_kv=True)
-    src = _render_with(v, **extra)
+    src = _render_with(v, fwd_fused_exp=True)
     compile(src, v.name, "exec")
     sm = _softmax(src)
     assert "y = acc_S[i]  # fwd_fused_exp" in sm and "y = acc_S[i] * row_q[rh]" not in sm
@@ -99,14 +116,18 @@ def test_same_reference_max_and_one_rounding_apart():
 
 
 def test_experiment_copies():
-    tags = {t for t, v in experiment_variants(("fexp", "ukvfexp"), route="bf16") if t}
-    assert tags == {"fexp"}
-    tags = {t for t, v in experiment_variants(("fexp", "ukvfexp"), route="fp8_tensor") if t}
-    assert tags == {"ukvfexp"}
+    for route, variants in (("bf16", BF16), ("fp8_tensor", TENSOR)):
+        on = [v for t, v in experiment_variants(("fexp",), route=route) if t]
+        off = [v for t, v in experiment_variants(("nofexp",), route=route) if t]
+        assert len(on) + len(off) == len(variants)
+        assert all(v.name.endswith("_xfexp") for v in on) and all(v.name.endswith("_xnofexp") for v in off)
+        assert len(on) == sum(not _on_by_default(v) for v in variants)
+    for tag in ("fexp", "nofexp"):
+        assert experiment_variants((tag,), route="fp8_token") == experiment_variants((), route="fp8_token")
 
 
 @pytest.mark.compile
 def test_compile_fused_exp(compile_sm90):
     v = next(v for v in BF16 if v.param("causal") and v.param("head_dim") == 128)
-    ptx = compile_sm90(v, source=_render_with(v, fwd_fused_exp=True))
+    ptx = compile_sm90(v, source=render_variant(v))
     assert "fma.rn.f32" in ptx and "ex2.approx" in ptx

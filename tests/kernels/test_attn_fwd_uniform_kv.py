@@ -33,11 +33,18 @@ def test_applies_exactly_to_tensor_scaled_k_and_v():
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
-def test_off_by_default(v):
+def test_default_exactly_where_it_applies(v):
+    """On by default for fp8_tensor (since 2026-12-04), absent elsewhere; fwd_uniform_kv=false renders the
+    per-key kernel, which differs from the default."""
     src = render_variant(v)
-    assert "fwd_uniform_kv" not in src and "kc_u" not in src
     if v.route == "fp8_tensor":
-        assert _render_with(v, fwd_uniform_kv=False) == src
+        assert '"fwd_uniform_kv": True' in src and "kc_u" in src
+        assert _render_with(v, fwd_uniform_kv=True) == src
+        off = _render_with(v, fwd_uniform_kv=False, fwd_fused_exp=False)  # fused exp needs uniform factors
+        assert off != src and "fwd_uniform_kv" not in off and "kc_u" not in off
+        assert "load_scales" in _softmax(off)
+    else:
+        assert "fwd_uniform_kv" not in src and "kc_u" not in src
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "mxfp8", "fp8_pv", "bf16", "nvfp4_mixed"])
@@ -49,7 +56,7 @@ def test_refused_where_keys_carry_their_own_factors(route):
 
 @pytest.mark.parametrize("v", TENSOR, ids=lambda v: v.name)
 def test_softmax_loads_no_per_key_factor(v):
-    src = _render_with(v, fwd_uniform_kv=True)
+    src = _render_with(v, fwd_fused_exp=False)  # the two-rounding exp argument (fwd_fused_exp's own test covers it)
     compile(src, v.name, "exec")
     assert '"fwd_uniform_kv": True' in src
     sm = _softmax(src)
@@ -67,13 +74,13 @@ def test_softmax_loads_no_per_key_factor(v):
 
 
 def test_experiment_copies():
-    tags = [(t, v.name) for t, v in experiment_variants(("ukv",), route="fp8_tensor") if t]
-    assert tags and all(n.endswith("_xukv") for _, n in tags)
-    assert experiment_variants(("ukv",), route="fp8_token") == experiment_variants((), route="fp8_token")
+    tags = [(t, v.name) for t, v in experiment_variants(("noukv",), route="fp8_tensor") if t]
+    assert len(tags) == len(TENSOR) and all(n.endswith("_xnoukv") for _, n in tags)
+    assert experiment_variants(("noukv",), route="fp8_token") == experiment_variants((), route="fp8_token")
 
 
 @pytest.mark.compile
 def test_compile_uniform_kv(compile_sm90):
     v = next(v for v in TENSOR if v.param("causal") and v.param("head_dim") == 128 and v.param("tile_m") == 192)
-    ptx = compile_sm90(v, source=_render_with(v, fwd_uniform_kv=True))
+    ptx = compile_sm90(v, source=render_variant(v))
     assert "ex2.approx" in ptx
