@@ -161,10 +161,12 @@ def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"scales of shape {tuple(scales.shape)}: the sm90 forward takes per-token or tensor scales")
 
 
-def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torch.Tensor | None = None) -> dict:
+def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torch.Tensor | None = None,
+              skip_transposed: bool = False) -> dict:
     """One quantizer launch of the bundle (the dO launch takes `o`); inputs were validated by
-    the caller (no host sync here)."""
-    return run_quantizer(b.get(entry["name"]), entry["args"], x, cu, check=False, o=o)
+    the caller (no host sync here). `skip_transposed`: the caller reads no codes_t (run_quantizer)."""
+    return run_quantizer(b.get(entry["name"]), entry["args"], x, cu, check=False, o=o,
+                         skip_transposed=skip_transposed)
 
 
 def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
@@ -192,7 +194,10 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
                               schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]), check=not inputs_checked)
     else:
-        ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile, launched=launched)
+        # without keep_codes nothing reads Q's and K's transposed codes after the forward (its Vᵀ is V's codes_t):
+        # their launches skip them (a quarter of their bytes)
+        ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile, launched=launched,
+                                 skip_transposed=() if keep_codes else ("q", "k"))
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]),
                               check=not inputs_checked)
@@ -314,15 +319,21 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
     return ins
 
 
-def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile, launched: dict | None = None) -> dict:
+def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile, launched: dict | None = None,
+                       skip_transposed: tuple[str, ...] = ()) -> dict:
     """`assemble_forward_inputs` with the bundle's fused quantizer launches (per-token copies through
-    `token_copy_use`). `launched`, when given, receives {(operand, quantizer entry name): its outputs}."""
+    `token_copy_use`). `launched`, when given, receives {(operand, quantizer entry name): its outputs}.
+    `skip_transposed`: operands ("q", "k") whose codes_t no one reads (the forward reads Q, K codes and V's codes_t):
+    their launches get a 16-token codes_t stub (run_quantizer)."""
     root, D = str(b.root), q.shape[2]
+    bad = set(skip_transposed) - {"q", "k"}
+    if bad:
+        raise ValueError(f"skip_transposed: {sorted(bad)}: the forward reads V's transposed codes (only q, k)")
 
     def launch(x, op, per_token):
         r, o = token_copy_use(root, route, op, D) if per_token else (route, op)
         entry = _pick_cached(root, "quant", r, D, None, profile, o)
-        outs = _quantize(b, entry, x, cu)
+        outs = _quantize(b, entry, x, cu, skip_transposed=op in skip_transposed)
         if launched is not None:
             launched[(op, entry["name"])] = outs
         return outs

@@ -5,12 +5,13 @@
 Packed BF16 q (T, HQ, D), k, v (T, HKV, D), int32 cu_seqlens (num_docs + 1) → BF16 o (T, HQ, D).
 
 Two opaque ops (docs/ops.md):
-- `flamia::attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic)
+- `flamia::attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic, forward_only)
   -> (o, lse, *codes)`: the route's fused quantizer launches for Q, K, V, then the forward kernel, from
   the bundle (`packed_attention`, kernels chosen by the dispatch table). lse: fp32 (HQ, T), natural
   log. codes: on routes where `attention.saves_codes` (the sm90 backward's per-token E4M3 routes:
   fp8_token), the forward's Q, K, V codes, K-major copies and scales (8 uint8 tensors: no Vᵀ), kept for
-  the backward; else 8 empty ones.
+  the backward; else 8 empty ones. `forward_only` (set by `attention` when no gradient can be asked for):
+  no codes kept and Q's, K's launches skip their K-major copies (a quarter of those launches' bytes).
 - `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
   codes, deterministic) -> (dq, dk, dv)`: reads the forward's codes when given, else RECOMPUTES the
   quantization of Q, K, V (three memory-bound launches, bit for bit what the forward used: the
@@ -137,14 +138,16 @@ FwdOutputs = tuple[(torch.Tensor,) * (2 + NUM_SAVED)]  # o, lse, *codes (the sch
 @torch.library.custom_op("flamia::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                   causal: bool, route: str, softmax_scale: Optional[float],
-                  deterministic: bool = False) -> FwdOutputs:
+                  deterministic: bool = False, forward_only: bool = False) -> FwdOutputs:
     """(o BF16 (T, HQ, D), lse fp32 (HQ, T), *codes) from the bundle's quantizers + forward kernel.
     `codes` (NUM_SAVED tensors): on routes where `saves_codes`, the forward's Q, K, V quantizer outputs
     the backward reads (SAVED_FIELDS: Q and K codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H); V codes
     and scales; uint8), so the backward does not recompute them; else empty uint8 tensors. `deterministic` is
-    for the backward (the forward is deterministic): autograd passes it on."""
+    for the backward (the forward is deterministic): autograd passes it on. `forward_only` (no gradient will be
+    asked for: `attention` under no_grad or without inputs that require grad): no codes kept, and Q's and K's
+    quantizer launches skip their transposed codes; a backward after it still works (it re-quantizes)."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
-    if saves_codes(route):
+    if saves_codes(route) and not forward_only:
         o, lse, codes = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
                                          int(max_seqlen), route=route, causal=causal, softmax_scale=softmax_scale,
                                          return_lse=True, keep_codes=True, inputs_checked=True)
@@ -170,12 +173,13 @@ def _saved_names() -> list[str]:
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic=False):
+def _attention_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic=False,
+                        forward_only=False):
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
     T, HQ, D = q.shape
     o = q.new_empty((T, HQ, D), dtype=torch.bfloat16)
     lse = q.new_empty((HQ, T), dtype=torch.float32)
-    shapes = _saved_shapes(q, k) if saves_codes(route) else [(0,)] * NUM_SAVED
+    shapes = _saved_shapes(q, k) if saves_codes(route) and not forward_only else [(0,)] * NUM_SAVED
     return (o, lse, *(q.new_empty(s, dtype=torch.uint8) for s in shapes))
 
 
@@ -462,13 +466,13 @@ def _attention_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, rou
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale, deterministic, forward_only = inputs
     o, lse, *codes = output
     ctx.mark_non_differentiable(lse, *codes)
     # no zero-filled gradients for lse and the nine code outputs (autograd would materialise them on
     # every step: 9 fills and ~200 MiB at 4x4096); _backward handles None
     ctx.set_materialize_grads(False)
-    ctx.kept = saves_codes(route)  # else the codes are empty placeholders
+    ctx.kept = saves_codes(route) and not forward_only  # else the codes are empty placeholders
     if ctx.kept:
         # the backward reads only the codes (and q, k, v's shapes, which the code tensors share): the
         # BF16 q, k, v are not saved, so keeping ~5 B per element saves memory against their 6
@@ -488,11 +492,11 @@ def _backward(ctx, grad_o, grad_lse, *grad_codes):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         codes = []
     if grad_o is None:
-        return None, None, None, None, None, None, None, None, None
+        return (None,) * 10
     dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,
                                                 ctx.causal, ctx.route, ctx.softmax_scale, codes,
                                                 ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 7
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -520,5 +524,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise _bad("deterministic", f"expected a bool, got {type(deterministic).__name__}")
     if isinstance(softmax_scale, int):
         softmax_scale = float(softmax_scale)
+    # no gradient can be asked for (no_grad / inference, or no input requires one): keep no codes for a backward
+    forward_only = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     return torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                          max_seqlen, causal, route, softmax_scale, deterministic)[0]
+                                          max_seqlen, causal, route, softmax_scale, deterministic, forward_only)[0]

@@ -146,9 +146,16 @@ def shape_of(shape: Sequence[Any], T: int, H: int, D: int, num_docs: int) -> tup
     return tuple(_eval_expr(s, env) for s in shape)
 
 
+TRANSPOSED_STUB = 16  # tokens of a skipped codes_t: the kernel's T_PAD divisibility (16), never 0 (no null pointer)
+
+
 def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: int, num_docs: int,
-                     device: torch.device | str, poison: bool = False) -> dict[str, torch.Tensor]:
+                     device: torch.device | str, poison: bool = False,
+                     skip_transposed: bool = False) -> dict[str, torch.Tensor]:
     """Allocate every "out" and "workspace" entry of ARGS with torch.empty.
+
+    skip_transposed=True allocates `codes_t` (H, D, T_PAD) as (H, D, TRANSPOSED_STUB): the kernel
+    then writes the transposed codes of its first 16 tokens only (the caller reads none of them).
 
     poison=True fills outputs with the byte 0xAB, so an element the kernel never writes
     shows up in a bitwise comparison. Workspaces are zeroed (the kernel re-zeroes them).
@@ -157,6 +164,8 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
     """
     out: dict[str, torch.Tensor] = {}
     for name, role, dt, shape, padded in _output_plan(args_spec, T, H, D, num_docs):
+        if skip_transposed and name == "codes_t":
+            shape = (*shape[:-1], TRANSPOSED_STUB)
         t = padded_token_rows(shape, dt, device) if padded else torch.empty(shape, dtype=dt, device=device)
         if role == "workspace":
             t.zero_()
@@ -209,13 +218,15 @@ def padded_token_rows(shape: Sequence[int], dtype: torch.dtype, device, t_pad: i
 
 def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]], x: torch.Tensor,
                   cu_seqlens: torch.Tensor, poison: bool = False, check: bool = True,
-                  o: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  o: torch.Tensor | None = None, skip_transposed: bool = False) -> dict[str, torch.Tensor]:
     """Call a loaded quantizer `fn(*tensors)` in ARGS order on the current torch stream.
 
     Returns {name: tensor} for every "out" (and "workspace") entry. check=False skips the
     input checks (and their host sync on cu_seqlens). `o` (BF16, shaped like x): the
     forward output, required by a dO launch (`with_delta`, ARGS takes `o`) and refused
-    by every other quantizer.
+    by every other quantizer. `skip_transposed`: the caller reads no `codes_t` (a forward-only
+    call's Q and K), so it gets a stub of TRANSPOSED_STUB tokens: the kernel stores only the
+    tokens t < T_PAD of codes_t (its last mode), so a quarter of the launch's bytes are not written.
     """
     if takes_o(args_spec):
         if o is None:
@@ -230,7 +241,7 @@ def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]]
     else:
         T, H, D = (int(s) for s in x.shape)
         nd = cu_seqlens.numel() - 1
-    outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison)
+    outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison, skip_transposed=skip_transposed)
     inputs = {"x": x, "cu_seqlens": cu_seqlens}
     if o is not None:
         inputs["o"] = o

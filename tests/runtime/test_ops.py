@@ -48,9 +48,10 @@ def test_ops_are_registered_with_their_schemas():
     fwd = torch.ops.flamia.attention_fwd.default._schema
     bwd = torch.ops.flamia.attention_bwd.default._schema
     assert [a.name for a in fwd.arguments] == ["q", "k", "v", "cu_seqlens", "max_seqlen", "causal", "route",
-                                               "softmax_scale", "deterministic"]
-    assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]", "bool"]
-    assert fwd.arguments[-1].default_value is False and bwd.arguments[-1].default_value is False
+                                               "softmax_scale", "deterministic", "forward_only"]
+    assert [str(a.type) for a in fwd.arguments[4:]] == ["int", "bool", "str", "Optional[float]", "bool", "bool"]
+    assert fwd.arguments[-1].default_value is False and fwd.arguments[-2].default_value is False
+    assert bwd.arguments[-1].default_value is False
     assert len(fwd.returns) == 2 + ops_mod.NUM_SAVED == 10 and len(bwd.returns) == 3
     assert [a.name for a in bwd.arguments][:7] == ["do", "q", "k", "v", "o", "lse", "cu_seqlens"]
     assert [a.name for a in bwd.arguments][-2:] == ["codes", "deterministic"]
@@ -399,16 +400,19 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
 # ---------------------------------------------------------------- GPU
 
 
-def _gpu_bundle(route):
+def _gpu_bundle(route, causal=None):
     from flamia_gen.runtime.attention import _current_bundle
 
     try:
         b = _current_bundle(route)
     except NoKernelError as e:
         pytest.skip(str(e))
-    # a bundle built for other routes (`flamia-gen bundle --route ...`) skips, it does not fail
-    if not any(e["kind"] == "attn_fwd" and route in e["uses"] for e in b.variants.values()):
-        pytest.skip(f"bundle {b.root} has no attn_fwd kernel for route {route!r}")
+    # a bundle built for other routes (`flamia-gen bundle --route ...`, or --variant: causal ones only) skips,
+    # it does not fail
+    if not any(e["kind"] == "attn_fwd" and route in e["uses"]
+               and (causal is None or e["params"].get("causal") == causal) for e in b.variants.values()):
+        pytest.skip(f"bundle {b.root} has no attn_fwd kernel for route {route!r}"
+                    + ("" if causal is None else f" (causal={causal})"))
     return b
 
 
@@ -432,7 +436,7 @@ def _gpu_inputs(grad=False, seed=0):
 def test_gpu_forward_equals_packed_attention(route, causal):
     from flamia_gen.runtime import packed_attention
 
-    _gpu_bundle(route)
+    _gpu_bundle(route, causal)
     q, k, v, cu, m = _gpu_inputs()
     o = flamia_gen.attention(q, k, v, cu, m, causal=causal, route=route)
     ref = packed_attention(q, k, v, cu, m, route=route, causal=causal)
@@ -513,6 +517,36 @@ def test_gpu_kept_codes_equal_recomputed_codes(causal):
     kept = torch.ops.flamia.attention_bwd(*args, codes, True)
     again = torch.ops.flamia.attention_bwd(*args, [], True)
     assert all(torch.equal(a, b) for a, b in zip(kept, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["fp8_token", "fp8_tensor", "mxfp8_exact"])
+def test_gpu_forward_only_skips_transposed_codes_bitwise(route):
+    """A forward-only call (no_grad): Q's and K's quantizer launches write a 16-token codes_t stub. Their
+    codes and scales are bitwise those of the full launch, the stub is the full codes_t's first 16 tokens,
+    and O is bitwise the O of a call that keeps everything (poisoned outputs: nothing left unwritten)."""
+    from flamia_gen.runtime.attention import _current_bundle, _pick_cached, doc_profile
+    from flamia_gen.runtime.quant import run_quantizer
+
+    b = _gpu_bundle(route)
+    q, k, v, cu, m = _gpu_inputs(seed=3)
+    prof = doc_profile(q.shape[0], cu, m)
+    for x, op in ((q, "q"), (k, "k")):
+        e = _pick_cached(str(b.root), "quant", route, D, None, prof, op)
+        full = run_quantizer(b.get(e["name"]), e["args"], x, cu, poison=True)
+        stub = run_quantizer(b.get(e["name"]), e["args"], x, cu, poison=True, skip_transposed=True)
+        if "codes_t" not in full:
+            continue
+        assert stub["codes_t"].shape[-1] == 16
+        assert torch.equal(stub["codes_t"], full["codes_t"][..., :16]), op
+        for f in full:
+            if f not in ("codes_t", "amax_ws"):
+                assert torch.equal(stub[f], full[f]), (op, f)
+    with torch.no_grad():
+        o_fwd = flamia_gen.attention(q, k, v, cu, m, route=route)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o_train = flamia_gen.attention(qg, kg, vg, cu, m, route=route)
+    assert not torch.isnan(o_fwd).any() and torch.equal(o_fwd, o_train.detach())
 
 
 def _has_bwd(route, causal, d=D):
@@ -714,3 +748,99 @@ def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
         assert launched == ["v", "do"] and torch.equal(pos[0], q) and torch.equal(pos[1], k)
         assert not ({"q_t", "k_t", "q_scale", "k_scale"} & set(kw))
     assert pos[2].dtype == torch.uint8 and kw["do_t"].dtype == torch.uint8  # V codes, dOᵀ codes
+
+
+# ---------------------------------------------------------------- forward-only calls (CPU, stand-in kernels)
+
+
+def test_forward_only_calls_keep_no_codes(monkeypatch, tmp_path):
+    """`attention` without a gradient to come (no_grad, or no input requiring one) asks the op for
+    forward_only: packed_attention without keep_codes and the op's code outputs empty; with one, codes kept."""
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(_fake_bundle(tmp_path)))
+    seen = []
+
+    def fake_packed(q, k, v, cu, max_seqlen, *, route, causal, softmax_scale, return_lse, keep_codes=False,
+                    inputs_checked=False):
+        seen.append(keep_codes)
+        o, lse = q.clone(), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        if keep_codes:
+            return o, lse, tuple(torch.zeros(sh, dtype=torch.uint8) for sh in ops_mod._saved_shapes(q, k))
+        return o, lse
+
+    monkeypatch.setattr(ops_mod, "packed_attention", fake_packed)
+    q, k, v, cu = _qkv()
+    flamia_gen.attention(q, k, v, cu, 34)  # no input requires grad
+    qg, kg, vg, _ = _qkv(grad=True)
+    with torch.no_grad():
+        flamia_gen.attention(qg, kg, vg, cu, 34)
+    o = flamia_gen.attention(qg, kg, vg, cu, 34)  # a backward may follow: fp8_token keeps its codes
+    assert seen == [False, False, True] and o.requires_grad
+    out = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None, False, True)
+    assert all(c.numel() == 0 for c in out[2:])
+    # the fake implementation agrees (meta tensors)
+    qm, km, vm, cum = _meta(grad=False)
+    fake = torch.ops.flamia.attention_fwd(qm, km, vm, cum, 34, True, "fp8_token", None, False, True)
+    assert all(c.numel() == 0 for c in fake[2:])
+    full = torch.ops.flamia.attention_fwd(qm, km, vm, cum, 34, True, "fp8_token", None, False, False)
+    assert [tuple(c.shape) for c in full[2:]] == ops_mod._saved_shapes(qm, km)
+
+
+def test_forward_only_backward_still_works(monkeypatch, tmp_path):
+    """forward_only=True with inputs that do require grad (the op called directly): nothing kept, so the
+    backward re-quantizes from the saved BF16 inputs (ctx.kept False) instead of reading absent codes."""
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(_fake_bundle(tmp_path)))
+    _reference_fwd(monkeypatch)
+    got = {}
+
+    def fake_bwd(do, q, k, v, o, lse, cu, max_seqlen, causal, route, softmax_scale, deterministic=False, codes=None):
+        got.update(q=q, codes=codes)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(ops_mod, "_run_backward", fake_bwd)
+    q, k, v, cu = _qkv(grad=True)
+    o = torch.ops.flamia.attention_fwd(q, k, v, cu, 34, True, "fp8_token", None, False, True)[0]
+    o.float().sum().backward()
+    assert got["q"].dtype == torch.bfloat16 and not got["codes"]  # the BF16 q itself, no kept codes
+    assert q.grad is not None and k.grad is not None
+
+
+def test_fp8_forward_inputs_skips_q_k_transposed_codes(monkeypatch, tmp_path):
+    """The forward's quantizer launches with skip_transposed=("q", "k"): Q's and K's codes_t are 16-token
+    stubs, V's (the forward's Vᵀ) full; V may not be skipped."""
+    from flamia_gen.runtime.attention import _bundle, doc_profile, fp8_forward_inputs
+    from flamia_gen.runtime.bundle import Bundle
+
+    tok = ["fp8_token.k", "fp8_token.q", "fp8_token.v"]
+    fwd_name = "attn_fwd_sm90_fp8_token_d128_m192n128_s2_wg3_preg_longest_first"
+    variants = [_generated_quant_entry("quant_sm90_e4m3_tok_ceil_d128_t128_h1", tok),
+                _generated_quant_entry(fwd_name, ["fp8_token"])]
+    variants[1]["kind"] = "attn_fwd"
+    d = tmp_path / "bundle"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
+    shapes = []
+
+    def stand_in(self, name):
+        entry = next(v for v in variants if v["name"] == name)
+
+        def fn(*args):
+            by = {a["name"]: t for a, t in zip(entry["args"], args)}
+            shapes.append(tuple(by["codes_t"].shape))
+        return fn
+
+    monkeypatch.setattr(Bundle, "get", stand_in)
+    t = 70
+    q, k, v, _ = _qkv(T=t)
+    cu = torch.tensor([0, 30, t], dtype=torch.int32)
+    b = _bundle(str(d.resolve()))
+    prof = doc_profile(t, cu, 40)
+    fwd = variants[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ins = fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_transposed=("q", "k"))
+        assert shapes == [(HQ, D, 16), (HKV, D, 16), (HKV, D, 80)] and ins["v"].shape == (HKV, D, 80)
+        shapes.clear()
+        fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof)
+        assert shapes == [(HQ, D, 80), (HKV, D, 80), (HKV, D, 80)]
+        with pytest.raises(ValueError, match="skip_transposed.*'v'"):
+            fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_transposed=("v",))

@@ -25,3 +25,22 @@ def test_bad_shape_entries_are_refused(entry, match):
     for _ in range(2):  # a cached parse still refuses
         with pytest.raises(ValueError, match=match):
             shape_of([entry], 8, 1, 64, 1)
+
+
+def test_skip_transposed_allocates_a_16_token_stub():
+    """A caller that reads no codes_t (a forward-only call's Q, K) gets (H, D, 16): the kernel stores only
+    the tokens t < T_PAD of its K-major copy; every other output keeps its shape."""
+    from flamia_gen.runtime.quant import TRANSPOSED_STUB, allocate_outputs
+
+    args = [{"name": "x", "dtype": "bfloat16", "shape": ["T", "H", "D"], "role": "in"},
+            {"name": "codes", "dtype": "uint8", "shape": ["T", "H", "D"], "role": "out"},
+            {"name": "scales", "dtype": "uint8", "shape": ["T", "H"], "role": "out"},
+            {"name": "codes_t", "dtype": "uint8", "shape": ["H", "D", "T_pad"], "role": "out"}]
+    full = allocate_outputs(args, 70, 3, 128, 2, "cpu")
+    stub = allocate_outputs(args, 70, 3, 128, 2, "cpu", skip_transposed=True)
+    assert TRANSPOSED_STUB == 16 and full["codes_t"].shape == (3, 128, 80)
+    assert stub["codes_t"].shape == (3, 128, 16) and stub["codes_t"].is_contiguous()
+    assert {n: t.shape for n, t in stub.items() if n != "codes_t"} == {n: t.shape for n, t in full.items()
+                                                                       if n != "codes_t"}
+    no_t = [a for a in args if a["name"] != "codes_t"]  # a launch without codes_t: nothing to skip
+    assert allocate_outputs(no_t, 70, 3, 128, 2, "cpu", skip_transposed=True).keys() == {"codes", "scales"}
