@@ -215,6 +215,33 @@ def validate_structure(table: Any) -> str | None:
     return None
 
 
+def installed_source_sha256(arch: str, names, plan=None) -> dict[str, str]:
+    """sha256 of each named variant's source as the installed templates render it (what a bundle built now
+    records as `source_sha256`); names the plan does not have are left out."""
+    import hashlib
+
+    from ..render import render_variant
+
+    if plan is None:
+        plan = _installed_plan(arch)[1]
+    want = set(names)
+    return {v.name: hashlib.sha256(render_variant(v).encode()).hexdigest() for v in plan.variants if v.name in want}
+
+
+def stale_builds(table: dict, arch: str | None = None, plan=None) -> list[tuple[str, str]]:
+    """(entry key, winner) of the entries whose winner was timed on a build of the kernel that the installed
+    templates no longer render (a template change since tuning: the spec hashes stay, so the table is still
+    used, but its times, and perhaps its choice, describe another kernel: re-tune those groups). Entries frozen
+    before builds were recorded (no `source_sha256`) are not judged."""
+    arch = arch or table["_metadata"]["arch"]
+    timed = {k: e["winner"] for k, e in table["entries"].items() if e["winner"].get("source_sha256")}
+    if not timed:
+        return []
+    now = installed_source_sha256(arch, {w["variant"] for w in timed.values()}, plan=plan)
+    return sorted((k, w["variant"]) for k, w in timed.items()
+                  if w["variant"] in now and now[w["variant"]] != w["source_sha256"])
+
+
 def check_against(table: dict, expected: dict | None) -> str | None:
     """None when the table matches `expected` (see `installed_expectation`), else why it
     is stale."""

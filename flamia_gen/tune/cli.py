@@ -393,6 +393,7 @@ def table_show(specs_dir, path, arch, gpu, as_json):
         console.print(f"status: {m['status']}")
     console.print("[red bold]STALE[/red bold]: " + problem if problem else "[green]current[/green]: matches the "
                   "installed specs" + (f" and GPU {gpu}" if gpu else ""))
+    _report_stale_builds(table)
     if table["entries"]:
         t = Table(title=f"{len(table['entries'])} tuned buckets")
         for c in ("group", "bucket", "winner", "ms", "runner-up", "ms ", "trials", "failed", "workload"):
@@ -428,8 +429,22 @@ def table_check(specs_dir, paths, gpu):
             console.print(f"[red]refused[/red]: {problem}")
         else:
             console.print(f"[green]ok[/green]: {path}")
+            _report_stale_builds(table)
     if bad:
         raise SystemExit(1)
+
+
+def _report_stale_builds(table: dict) -> None:
+    """Warn about entries timed on another build of their winner (dispatch.table.stale_builds): still used (same
+    specs, same variant), but their numbers describe a kernel the templates no longer render."""
+    from ..dispatch.table import stale_builds
+
+    stale = stale_builds(table)
+    if not stale:
+        return
+    groups = sorted({table["entries"][k]["group"] for k, _ in stale})
+    console.print(f"[yellow]timed on another build[/yellow]: {len(stale)} entries' winners render differently now "
+                  f"(templates changed since tuning); re-tune their groups: {', '.join(groups)}")
 
 
 @table_command.command("untuned")

@@ -137,7 +137,11 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None,
                 env[k].add((t.user_attrs.get("env") or {}).get(k))
 
         def row(t):
-            return {"variant": t.user_attrs["variant"], "median_ms": round(float(t.value), 6)}
+            r = {"variant": t.user_attrs["variant"], "median_ms": round(float(t.value), 6)}
+            src = (t.user_attrs.get("measurement") or {}).get("x_source_sha256")
+            if src:
+                r["source_sha256"] = src  # the build that was timed (dispatch.table.stale_builds)
+            return r
 
         entries[key] = {
             "group": a["group"], "kind": a["kind"], "route": a["route"], "head_dim": a["head_dim"],

@@ -72,7 +72,8 @@ class FakeRunner:
     atomically, so tests can count measurements across processes."""
 
     def __init__(self, gpu: str = "Fake GPU", *, fail=(), delay_s: float = 0.0, log: str | Path | None = None,
-                 seed: int = 0, crash=()):
+                 seed: int = 0, crash=(), sources: dict | None = None):
+        self.sources = dict(sources or {})  # variant → sha256 of the source "timed" (as a bundle entry records it)
         self.gpu = gpu
         self.fail = tuple(fail)
         self.crash = tuple(crash)
@@ -103,7 +104,10 @@ class FakeRunner:
         if any(fnmatch.fnmatchcase(variant, p) for p in self.fail):
             return Measurement(False, "verification failed: codes differ from the emulator (fake runner)")
         t = self.time_ms(variant, workload)
-        return Measurement(True, "", median_ms=t, min_ms=t * 0.98, p20_ms=t * 0.99, p80_ms=t * 1.01, repeats=20)
+        m = Measurement(True, "", median_ms=t, min_ms=t * 0.98, p20_ms=t * 0.99, p80_ms=t * 1.01, repeats=20)
+        if variant in self.sources:
+            m.extra = {"source_sha256": self.sources[variant]}
+        return m
 
 
 class BundleRunner:
@@ -151,6 +155,9 @@ class BundleRunner:
         samples = hook.time(self.bundle, entry, workload, self.device, warmup=self.warmup, repeats=self.repeats)
         m = summarize(samples)
         m.extra = {"timer": "cuda-events", "warmup": self.warmup}
+        if entry.get("source_sha256"):
+            # which build of the kernel was timed: the table then says when the installed templates render another
+            m.extra["source_sha256"] = entry["source_sha256"]
         return m
 
 

@@ -269,3 +269,47 @@ def test_freeze_with_carry_only_and_its_refusals(storage_url, tmp_path, sm90):
     untuned = dict(old, _metadata=dict(old["_metadata"], untuned=True, gpu=None))
     with pytest.raises(FreezeError, match="a tuned sm90 table is needed"):
         freeze(empty, "sm90", specs=specs, plan=plan, carry=untuned)
+
+
+def test_freeze_records_the_timed_build_and_stale_builds_finds_template_changes(storage_url, sm90, monkeypatch):
+    """A measurement carries the sha256 of the source it timed (a bundle entry's `source_sha256`); freeze keeps it
+    on winner and runner-up; `stale_builds` lists the entries whose winner the installed templates now render
+    differently (a template change since tuning), and none while they render the same."""
+    import hashlib
+
+    from flamia_gen.dispatch import table as table_mod
+    from flamia_gen.dispatch.table import installed_source_sha256, stale_builds, validate_structure
+
+    specs, plan = sm90
+    studies = _real_studies(sm90, routes=("fp8_tensor",), workloads="1x65536")
+    names = sorted({v for s in studies for v in s.candidates})
+    now = installed_source_sha256("sm90", names, plan=plan)
+    assert set(now) == set(names)
+    st = open_storage(storage_url)
+    create_studies(studies, st)
+    run_worker(studies, st, FakeRunner(sources=now))
+    table, _ = freeze(st, "sm90", specs=specs, plan=plan)
+    assert validate_structure(table) is None and table["entries"]
+    for e in table["entries"].values():
+        assert e["winner"]["source_sha256"] == now[e["winner"]["variant"]]
+        if e["runner_up"]:
+            assert e["runner_up"]["source_sha256"] == now[e["runner_up"]["variant"]]
+    assert stale_builds(table, plan=plan) == []
+    # one winner's template output changes: exactly its entries are reported
+    key, e = sorted(table["entries"].items())[0]
+    changed = e["winner"]["variant"]
+    real = table_mod.installed_source_sha256
+
+    def edited(arch, names, plan=None):
+        out = real(arch, names, plan=plan)
+        if changed in out:
+            out[changed] = hashlib.sha256(b"another build").hexdigest()
+        return out
+
+    monkeypatch.setattr(table_mod, "installed_source_sha256", edited)
+    stale = stale_builds(table, plan=plan)
+    assert (key, changed) in stale and all(v == changed for _, v in stale)
+    # entries frozen without a recorded build are not judged
+    for e in table["entries"].values():
+        e["winner"].pop("source_sha256")
+    assert stale_builds(table, plan=plan) == []

@@ -138,3 +138,25 @@ def test_freeze_without_studies_is_a_clear_error(run, tmp_path):
 def test_dry_run_lists_studies(run):
     res = run("tune", *FAKE, "--dry-run")
     assert res.exit_code == 0 and "2 studies, 6 trials" in res.output and "tokens=65536" in res.output
+
+
+def test_table_check_and_show_warn_about_entries_timed_on_another_build(run, tmp_path):
+    """The shipped H200 table with one winner marked as timed on another build of its kernel: still valid and
+    used (exit 0), but `table check` and `table show` name the group to re-tune; the same winner with the
+    installed build's hash is not reported."""
+    from flamia_gen.dispatch.table import installed_source_sha256
+
+    table = json.loads((REPO / "tuning_db" / "sm90-h200.json").read_text())
+    key = "attn_fwd/fp8_tensor/d128/causal/max_len=16384,doc_len=16384"
+    e = table["entries"][key]
+    p = tmp_path / "sm90-h200.json"
+    e["winner"]["source_sha256"] = "0" * 64
+    p.write_text(json.dumps(table))
+    for cmd in ("check", "show"):
+        res = run("table", cmd, str(p))
+        assert res.exit_code == 0, res.output
+        assert "timed on another build" in res.output and "attn_fwd/fp8_tensor/d128/causal" in res.output
+    e["winner"]["source_sha256"] = installed_source_sha256("sm90", [e["winner"]["variant"]])[e["winner"]["variant"]]
+    p.write_text(json.dumps(table))
+    res = run("table", "check", str(p))
+    assert res.exit_code == 0 and "timed on another build" not in res.output
