@@ -201,6 +201,9 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]),
                               check=not inputs_checked)
+    if keep_codes and fwd["params"].get("fwd_q_convert"):
+        raise ValueError(f"keep_codes: {fwd['name']} converts Q inside the kernel (fwd_q_convert): it has no Q codes "
+                         "to keep for a backward")
     if keep_codes:
         # the backward's own quantizer choice for each operand (ops.backward_with): the same entry, so the
         # same codes bit for bit; the forward launched it already (saves_codes routes)
@@ -301,6 +304,10 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
                                                                                    device=q.device))
     elif params.get("q_fmt") == "e2m1":
         ins = mixed_qk_inputs(quant(q, "q", False), quant(k, "k", False))
+    elif params.get("fwd_q_convert"):
+        # the kernel converts Q itself (per token, the quantizer contract): BF16 q, no Q launch
+        kq = quant(k, "k", False)
+        ins = dict(q=q.contiguous(), k=kq["codes"], k_scale=per_token_scales(kq["scales"], k))
     else:
         qq, kq = quant(q, "q", bool(params.get("rows_q"))), quant(k, "k", False)
         ins = dict(q=qq["codes"], k=kq["codes"], q_scale=per_token_scales(qq["scales"], q),
