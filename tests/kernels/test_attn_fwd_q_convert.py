@@ -57,9 +57,12 @@ def test_rendered_kernel_takes_bf16_q(v):
     assert names[1:] == [a["name"] for a in _args(render_variant(v))][2:]  # the rest unchanged
     assert '"fwd_q_convert": True' in src and "mQs" not in src
     assert "sQb_layout = make_smem_layout(BFloat16, (m, d))" in src and "self.bytes_q = m * d * 2" in src
-    # the conversion: 2 threads per row, D/2 elements each, amax shared with the partner, codes to sQ, code to sQc
-    d2 = v.param("head_dim") // 2
-    assert f"cute.local_tile(sQb, (1, {d2}), (qr, qh))" in src and f"cute.local_tile(sQ, (1, {d2}), (qr, qh))" in src
+    # the conversion: 2 threads per row, D/2 elements each in 16-byte chunks (amax pass, then codes), amax shared
+    # with the partner, codes to sQ, code to sQc, acc_O zeroed after it
+    ch = v.param("head_dim") // 16
+    assert src.count(f"cute.local_tile(sQb, (1, 8), (qr, qh * {ch} + c))") == 2
+    assert f"cute.local_tile(sQ, (1, 8), (qr, qh * {ch} + c))" in src and "sQc[qr] = Int32(qcode)" in src
+    assert src.index("qcode, qmult, qnan, qzero = q_exponent(qa)") < src.index("acc_O.fill(0.0)  # (after")
     assert "shuffle_sync_bfly(qa, offset=1)" in src and 'fence_proxy("async.shared", space="cta")' in src
     assert "row_q[rh] = bits_f32(Uint32(qc) << Uint32(23)) * scale_log2" in src
 
