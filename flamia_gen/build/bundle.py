@@ -13,7 +13,6 @@ its sha256 matches the manifest.
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import lzma
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..plan import Variant
+from ..render import source_sha256
 from .builder import BuildResult
 from .cache import BuildCache, atomic_write, sha256_file
 from .toolchain import dsl_runtime_lib, dsl_version, tvm_ffi_version
@@ -96,7 +96,7 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
             "kind": v.kind.value,
             "family": v.family,
             "spec_hash": v.spec_hash,
-            "source_sha256": hashlib.sha256(r.source.encode()).hexdigest(),  # what was compiled
+            "source_sha256": source_sha256(r.source),  # what was compiled
             "uses": list(v.uses),
             "params": kernel_params(v, r.source),
             "args": _module_literal(r.source, "ARGS"),

@@ -218,14 +218,12 @@ def validate_structure(table: Any) -> str | None:
 def installed_source_sha256(arch: str, names, plan=None) -> dict[str, str]:
     """sha256 of each named variant's source as the installed templates render it (what a bundle built now
     records as `source_sha256`); names the plan does not have are left out."""
-    import hashlib
-
-    from ..render import render_variant
+    from ..render import render_variant, source_sha256
 
     if plan is None:
         plan = _installed_plan(arch)[1]
     want = set(names)
-    return {v.name: hashlib.sha256(render_variant(v).encode()).hexdigest() for v in plan.variants if v.name in want}
+    return {v.name: source_sha256(render_variant(v)) for v in plan.variants if v.name in want}
 
 
 def stale_builds(table: dict, arch: str | None = None, plan=None) -> list[tuple[str, str]]:

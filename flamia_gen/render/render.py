@@ -7,6 +7,7 @@ Only validated plain values (enum strings, ints, bools, identifiers) reach a tem
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ def _check_context(ctx: dict) -> None:
                 continue
             if not isinstance(x, str) or not _SAFE_STR.match(x):
                 raise ValueError(f"context value {k}={x!r} is not a safe literal")
+
+
+def source_sha256(source: str) -> str:
+    """The hash a bundle records of a rendered source (`source_sha256`) and a tuning table of the build it timed."""
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 def render_variant(variant: Variant, root: Path | None = None) -> str:

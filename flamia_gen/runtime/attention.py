@@ -188,6 +188,9 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     root = str(b.root)
     fwd = _pick_cached(root, "attn_fwd", route, D, causal, profile)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if keep_codes and fwd["params"].get("fwd_q_convert"):  # refused before any launch
+        raise ValueError(f"keep_codes: {fwd['name']} converts Q inside the kernel (fwd_q_convert): it has no Q codes "
+                         "to keep for a backward")
     launched: dict = {}
     if not _is_fp8_spec(fwd["args"]):
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
@@ -201,9 +204,6 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]),
                               check=not inputs_checked)
-    if keep_codes and fwd["params"].get("fwd_q_convert"):
-        raise ValueError(f"keep_codes: {fwd['name']} converts Q inside the kernel (fwd_q_convert): it has no Q codes "
-                         "to keep for a backward")
     if keep_codes:
         # the backward's own quantizer choice for each operand (ops.backward_with): the same entry, so the
         # same codes bit for bit; the forward launched it already (saves_codes routes)
