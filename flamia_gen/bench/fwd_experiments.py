@@ -62,8 +62,10 @@ def _fused_exp_applies(p) -> bool:
 
 
 def _fused_exp_default(p) -> bool:
-    """Where the template turns fwd_fused_exp on by default: everywhere it applies but bf16 D = 128 non-causal."""
-    return _fused_exp_applies(p) and (p["q_fmt"] != "bf16" or p["causal"] or p["head_dim"] == 64)
+    """Where the template turns fwd_fused_exp on by default: everywhere it applies but bf16 D = 128 non-causal
+    without intra_wg_overlap."""
+    return _fused_exp_applies(p) and (p["q_fmt"] != "bf16" or p["causal"] or p["head_dim"] == 64
+                                      or bool(p.get("intra_wg_overlap")))
 
 
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
@@ -121,7 +123,7 @@ EXPERIMENTS: dict[str, dict] = {
     # no key carries its own offset (the bf16 route, fp8_tensor; last-bit numerics); on by default since the twentieth
     # session except bf16 D = 128 non-causal (4×4096 0.88 … 0.92×): "fexp" turns it on there, "nofexp" is the A/B copy
     "fexp": dict(over={"fwd_fused_exp": True}, when=lambda p: _fused_exp_applies(p) and not _fused_exp_default(p),
-                 note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal)"),
+                 note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal without the overlap)"),
     "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
                    note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
     # fwd_q_convert (2026-12-04, twentieth session, experiment; docs/kernels/attn_fwd.md "Where the end-to-end forward

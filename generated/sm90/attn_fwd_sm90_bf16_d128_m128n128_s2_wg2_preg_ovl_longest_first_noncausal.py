@@ -53,6 +53,7 @@ PARAMS = {
     "exp_approx": "ex2",
     "k_row_perm": False,
     "fwd_window_pass": True,
+    "fwd_fused_exp": True,
     "fwd_dynamic": True,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
@@ -115,6 +116,14 @@ def atomic_add_i32(ptr, val, *, loc=None, ip=None):
 @dsl_user_op
 def ex2(x, *, loc=None, ip=None):
     return Float32(_asm(_T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                        loc, ip))
+
+
+@dsl_user_op
+def ffma(a, b, c, *, loc=None, ip=None):
+    """a·b + c rounded once (fwd_fused_exp's exp argument)."""
+    return Float32(_asm(_T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip),
+                                   Float32(c).ir_value(loc=loc, ip=ip)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
                         loc, ip))
 
 
@@ -644,7 +653,7 @@ class AttnFwdSm90:
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    y = acc_S[i] * row_q[rh]
+                    y = acc_S[i]  # fwd_fused_exp: the raw accumulator; row_q (and ev) join pass 2's FFMA
                     if const_expr(mask):
                         # col = 8·cg + cp + 2t (wgmma C layout) and key_of_col moves disjoint bits:
                         # key_of_col(col) = key_of_col(8·cg + cp) (trace-time int) + key_of_col(2t)
@@ -679,20 +688,22 @@ class AttnFwdSm90:
                             mx[rh] = fmax2(mx[rh], y)
         rs = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
-            m_new = fmax2(row_max[rh], ceil_f32(quad_max(mx[rh])))
+            # fwd_fused_exp: the row max in the y domain, the same float pass 1 would have found (monotone: row_q > 0)
+            ymax = quad_max(mx[rh]) * row_q[rh]
+            m_new = fmax2(row_max[rh], ceil_f32(ymax))
             mu = m_new
             if m_new == -Float32.inf:
                 mu = Float32(0.0)
             scale_o[rh] = ex2(row_max[rh] - mu)  # exact power of two (0 on the first visible tile)
             row_max[rh] = m_new
-            m_arg[rh] = mu
+            m_arg[rh] = -mu  # fwd_fused_exp: the addend −m
             rs[rh] = Float32(0.0)
         # pass 2: one ex2 per element gives P (for PV) and the denominator term
         for cg in cutlass.range_constexpr(16):
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
-                    e = ex2(acc_S[i] - m_arg[rh])
+                    e = ex2(ffma(acc_S[i], row_q[rh], m_arg[rh]))
                     rs[rh] = rs[rh] + e
                     acc_S[i] = e
         for rh in cutlass.range_constexpr(2):

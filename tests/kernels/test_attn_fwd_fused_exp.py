@@ -30,14 +30,18 @@ def _softmax(src: str) -> str:
 
 
 def _on_by_default(v) -> bool:
-    return v.route == "fp8_tensor" or v.param("causal") or v.param("head_dim") == 64
+    return v.route == "fp8_tensor" or v.param("causal") or v.param("head_dim") == 64 or v.param("intra_wg_overlap")
 
 
 def test_default_set():
-    """On for every fp8_tensor variant and every bf16 one but D = 128 non-causal (2026-12-04)."""
+    """On for every fp8_tensor variant and every bf16 one but D = 128 non-causal without the overlap (2026-12-04)."""
     off = {v.name for v in BF16 + TENSOR if not _on_by_default(v)}
-    assert off and all(n.startswith("attn_fwd_sm90_bf16_d128_") and n.endswith("_noncausal") for n in off)
-    assert {v.name for v in BF16 if v.param("head_dim") == 128 and not v.param("causal")} == off
+    assert off and all(n.startswith("attn_fwd_sm90_bf16_d128_") and n.endswith("_noncausal") and "_ovl_" not in n
+                       for n in off)
+    assert {v.name for v in BF16 if v.param("head_dim") == 128 and not v.param("causal")
+            and not v.param("intra_wg_overlap")} == off
+    assert any("_ovl_" in v.name and v.param("head_dim") == 128 and not v.param("causal") and _on_by_default(v)
+               for v in BF16)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)

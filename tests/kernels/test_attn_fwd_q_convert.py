@@ -129,3 +129,63 @@ def test_helpers_are_the_quantizers_ptx(name):
     assert _fn_body(fwd, name) == _fn_body(qsrc.read_text(), name)
     strings = lambda src, fn: [ln for ln in _fn_body(src, fn) if '"' in ln and "cvt" in ln]
     assert strings(fwd, "pack_e4m3x4") == strings(qsrc.read_text(), "cvt_e4m3x4")
+
+
+def _literals(src: str) -> dict:
+    from flamia_gen.build.bundle import _module_literal
+
+    return {n: _module_literal(src, n) for n in ("ARGS", "PARAMS")}
+
+
+def _qconv_inputs(T=40, HQ=4, HKV=2, D=128):
+    return dict(q=torch.randn(T, HQ, D).to(torch.bfloat16), k=torch.zeros(T, HKV, D, dtype=torch.uint8),
+                v=torch.zeros(HKV, D, 48, dtype=torch.uint8), k_scale=torch.full((T, HKV), 127, dtype=torch.uint8),
+                v_scale=torch.full((T, HKV), 127, dtype=torch.uint8), cu_seqlens=torch.tensor([0, 17, T]).int())
+
+
+def test_fwd_mode_and_run_attn_fwd_pass_bf16_q_in_args_order():
+    """The first GPU run (2026-12-04) stopped here: run_attn_fwd took the kernel for an fp8 one and refused BF16 q.
+    A recording fake kernel: q as given (BF16), K and Vᵀ viewed as E4M3, no q_scale anywhere."""
+    from flamia_gen.runtime.attn_fwd import fwd_mode, run_attn_fwd
+
+    v = next(v for v in TOKEN if v.param("causal") and v.param("head_dim") == 128)
+    lit = _literals(_render_with(v, fwd_q_convert=True))
+    assert fwd_mode(lit["ARGS"]) == "q_bf16" and fwd_mode(_literals(render_variant(v))["ARGS"]) == "fp8"
+    x, seen = _qconv_inputs(), []
+    o, lse = run_attn_fwd(lambda *a: seen.extend(a), lit["ARGS"], x["q"], x["k"], x["v"], k_scale=x["k_scale"],
+                          v_scale=x["v_scale"], cu_seqlens=x["cu_seqlens"], params=lit["PARAMS"], poison=True)
+    names = [a["name"] for a in lit["ARGS"]]
+    got = dict(zip(names, seen))
+    assert len(seen) == len(names) and "q_scale" not in got
+    assert got["q"] is x["q"] and got["k"].dtype == torch.float8_e4m3fn and got["v_t"].dtype == torch.float8_e4m3fn
+    assert got["k_scale"] is x["k_scale"] and got["v_scale"] is x["v_scale"] and got["o"] is o
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x: x.update(q=torch.zeros(40, 4, 128, dtype=torch.uint8)), "q: dtype torch.uint8 not in .*bfloat16"),
+    (lambda x: x.update(q_scale=torch.zeros(40, 4, dtype=torch.uint8)), "q_scale: this variant converts BF16 q"),
+    (lambda x: x.update(k=torch.zeros(40, 2, 128, dtype=torch.bfloat16)), "k: dtype"),
+    (lambda x: x.update(k_scale=None), "k_scale: expected a torch.Tensor"),
+    (lambda x: x.update(v_scale=torch.zeros(40, 4, dtype=torch.uint8)), r"v_scale: shape \(40, 4\)"),
+])
+def test_run_attn_fwd_q_convert_input_checks(mutate, match):
+    from flamia_gen.runtime.attn_fwd import run_attn_fwd
+
+    v = next(v for v in TOKEN if v.param("causal") and v.param("head_dim") == 128)
+    lit = _literals(_render_with(v, fwd_q_convert=True))
+    x = _qconv_inputs()
+    mutate(x)
+    kw = {n: x[n] for n in ("q_scale", "k_scale", "v_scale") if n in x}
+    with pytest.raises(ValueError, match=match):
+        run_attn_fwd(lambda *a: None, lit["ARGS"], x["q"], x["k"], x["v"], cu_seqlens=x["cu_seqlens"],
+                     params=lit["PARAMS"], **kw)
+
+
+def test_timed_inputs_not_shared_with_the_base():
+    """fwd_experiments times a copy with its base's cached input sets: a q_convert copy needs its own (BF16 q)."""
+    from flamia_gen.verify.attn_gpu import timed_inputs_key
+
+    p = dict(TOKEN[0].params)
+    base = timed_inputs_key("fp8_token", [4096] * 4, 16, p)
+    assert timed_inputs_key("fp8_token", [4096] * 4, 16, dict(p, fwd_q_convert=True)) != base
+    assert timed_inputs_key("fp8_token", [4096] * 4, 16, dict(p, fwd_fused_exp=True)) == base
