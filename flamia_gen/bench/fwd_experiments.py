@@ -126,11 +126,6 @@ EXPERIMENTS: dict[str, dict] = {
                  note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal without the overlap)"),
     "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
                    note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
-    # fwd_q_convert (2026-12-04, twentieth session, experiment; docs/kernels/attn_fwd.md "Where the end-to-end forward
-    # stands"): the kernel converts Q from BF16 itself (per-token E4M3, the quantizer contract), no Q launch
-    "qconv": dict(over={"fwd_q_convert": True},
-                  when=lambda p: _e4m3_qk(p) and p["q_gran"] == "token" and not p.get("rows_q"),
-                  note="Q converted from BF16 inside the kernel (per-token E4M3; forward-only calls)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }

@@ -188,9 +188,6 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
     root = str(b.root)
     fwd = _pick_cached(root, "attn_fwd", route, D, causal, profile)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    if keep_codes and fwd["params"].get("fwd_q_convert"):  # refused before any launch
-        raise ValueError(f"keep_codes: {fwd['name']} converts Q inside the kernel (fwd_q_convert): it has no Q codes "
-                         "to keep for a backward")
     launched: dict = {}
     if not _is_fp8_spec(fwd["args"]):
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], q.contiguous(), k.contiguous(), v.contiguous(),
@@ -304,10 +301,6 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
                                                                                    device=q.device))
     elif params.get("q_fmt") == "e2m1":
         ins = mixed_qk_inputs(quant(q, "q", False), quant(k, "k", False))
-    elif params.get("fwd_q_convert"):
-        # the kernel converts Q itself (per token, the quantizer contract): BF16 q, no Q launch
-        kq = quant(k, "k", False)
-        ins = dict(q=q.contiguous(), k=kq["codes"], k_scale=per_token_scales(kq["scales"], k))
     else:
         qq, kq = quant(q, "q", bool(params.get("rows_q"))), quant(k, "k", False)
         ins = dict(q=qq["codes"], k=kq["codes"], q_scale=per_token_scales(qq["scales"], q),

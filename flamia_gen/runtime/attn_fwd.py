@@ -160,14 +160,11 @@ def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
 def fwd_mode(args_spec: Sequence[dict]) -> str:
     """What a forward variant takes, from its ARGS: "fp8" (Q, K, Vᵀ E4M3 codes + per-token
     exponents), "qk_bf16" (nvfp4_mixed on sm90: Q, K BF16 NVFP4 code·block-scale, their tensor
-    scales as `qk_tensor_scale`, Vᵀ E4M3 as fp8), "q_bf16" (fwd_q_convert: BF16 q the kernel converts
-    itself, no q_scale; K and Vᵀ as fp8) or "bf16"."""
+    scales as `qk_tensor_scale`, Vᵀ E4M3 as fp8) or "bf16"."""
     names = {a["name"] for a in args_spec}
     if "v_t" not in names:
         return "bf16"
-    if "qk_tensor_scale" in names:
-        return "qk_bf16"
-    return "fp8" if "q_scale" in names else "q_bf16"
+    return "qk_bf16" if "qk_tensor_scale" in names else "fp8"
 
 
 def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
@@ -226,21 +223,18 @@ def _check_common(cu_seqlens, T: int, HQ: int, D: int, dev) -> None:
 
 
 def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_seqlens,
-                     fp8: bool, head_dim: int | None = None, qk_bf16: bool = False, q_bf16: bool = False,
+                     fp8: bool, head_dim: int | None = None, qk_bf16: bool = False,
                      qk_tensor_scale=None) -> tuple[int, int, int, int]:
     """Validate the forward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
     argument. fp8: q, k codes (T, H, D) uint8/float8_e4m3fn, v = v_t codes (HKV, D, T_PAD),
-    scales uint8 (T, H); fp8 with q_bf16 (fwd_q_convert): q BF16 (T, H, D), no q_scale, the rest as
-    fp8; fp8 with qk_bf16 (nvfp4_mixed): q, k BF16 (T, H, D), no q/k scales,
+    scales uint8 (T, H); fp8 with qk_bf16 (nvfp4_mixed): q, k BF16 (T, H, D), no q/k scales,
     `qk_tensor_scale` fp32 (1,), v_t and v_scale as fp8; bf16: q, k, v BF16 (T, H, D).
     cu_seqlens values are checked only on the CPU (checking them on a GPU would synchronise)."""
     dev = q.device if isinstance(q, torch.Tensor) else None
     _need(fp8 or not qk_bf16, "q", "qk_bf16 (BF16 Q, K with an FP8 PV side) needs fp8=True")
-    _need(fp8 or not q_bf16, "q", "q_bf16 (BF16 Q converted by the kernel) needs fp8=True")
-    _need(not (qk_bf16 and q_bf16), "q", "qk_bf16 and q_bf16 are different kernels")
     code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
     qk_code = (torch.bfloat16,) if qk_bf16 else code
-    _check_tensor(q, "q", (torch.bfloat16,) if q_bf16 else qk_code, 3, dev)
+    _check_tensor(q, "q", qk_code, 3, dev)
     T, HQ, D = q.shape
     _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim on sm90: D={D} (supported: {SUPPORTED_HEAD_DIMS})")
     if head_dim is not None:
@@ -255,7 +249,6 @@ def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_se
         _need(v.shape[2] >= T and v.shape[2] % 16 == 0, "v_t",
               f"T_PAD={v.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
         scales = ((v_scale, "v_scale", HKV),) if qk_bf16 else \
-            ((k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV)) if q_bf16 else \
             ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV), (v_scale, "v_scale", HKV))
         for t, name, h in scales:
             _check_tensor(t, name, (torch.uint8,), 2, dev)
@@ -265,8 +258,6 @@ def check_fwd_inputs(q, k, v, q_scale=None, k_scale=None, v_scale=None, *, cu_se
                 _need(t is None, name, "nvfp4_mixed takes no per-token Q/K scales (its block scales are in the BF16 "
                                        "values, its tensor scales in qk_tensor_scale)")
             _check_tensor(qk_tensor_scale, "qk_tensor_scale", (torch.float32,), (1,), dev)
-        if q_bf16:
-            _need(q_scale is None, "q_scale", "this variant converts BF16 q itself (fwd_q_convert): it takes no q_scale")
     else:
         _check_tensor(v, "v", code, 3, dev)
         _need(tuple(v.shape) == (T, HKV, D), "v", f"shape {tuple(v.shape)}, expected {(T, HKV, D)}")
@@ -336,7 +327,7 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     if check:
         T, HQ, HKV, D = check_fwd_inputs(q, k, v, q_scale, k_scale, v_scale, cu_seqlens=cu_seqlens, fp8=fp8,
                                          head_dim=params.get("head_dim"), qk_bf16=mode == "qk_bf16",
-                                         q_bf16=mode == "q_bf16", qk_tensor_scale=qk_tensor_scale)
+                                         qk_tensor_scale=qk_tensor_scale)
         if fp8:
             check_diag_inputs(diag, params, T, HKV, D, v.shape[2], q.device)
         elif diag:
@@ -374,10 +365,8 @@ def run_attn_fwd(fn, args_spec: Sequence[dict], q, k, v, q_scale=None, k_scale=N
     elif fp8:
         if params.get("k_row_perm"):
             k = k_rows_for_tma(k, v.shape[2])
-        by_name.update(q=q if mode == "q_bf16" else _as_e4m3(q), k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
+        by_name.update(q=_as_e4m3(q), q_scale=q_scale, k=_as_e4m3(k), k_scale=k_scale, v_t=_as_e4m3(v),
                        v_scale=v_scale)
-        if mode == "fp8":
-            by_name["q_scale"] = q_scale
         if params.get("k_row_perm") and "k_diag" in diag:
             by_name["k_diag"] = _as_e4m3(k_rows_for_tma(diag["k_diag"], v.shape[2]))
     else:

@@ -189,10 +189,9 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
 
 def timed_inputs_key(route: str, doc_lens, heads: int, params: dict) -> tuple:
     """What makes two forward variants' timed input sets the same: the route, rows, heads, head dim, tiles (the
-    schedule), causality, and whether the kernel takes BF16 q (fwd_q_convert) instead of the route's Q codes."""
+    schedule) and causality."""
     p = params
-    return (route, tuple(doc_lens), heads, p["head_dim"], p["tile_m"], p.get("tile_n"), p["causal"],
-            bool(p.get("fwd_q_convert")))
+    return (route, tuple(doc_lens), heads, p["head_dim"], p["tile_m"], p.get("tile_n"), p["causal"])
 
 
 def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: dict | None = None) -> dict:
