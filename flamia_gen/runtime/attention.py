@@ -162,11 +162,12 @@ def per_token_scales(scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize(b: Bundle, entry: dict, x: torch.Tensor, cu: torch.Tensor, o: torch.Tensor | None = None,
-              skip_transposed: bool = False) -> dict:
+              skip_transposed: bool = False, skip_codes: bool = False) -> dict:
     """One quantizer launch of the bundle (the dO launch takes `o`); inputs were validated by
-    the caller (no host sync here). `skip_transposed`: the caller reads no codes_t (run_quantizer)."""
+    the caller (no host sync here). `skip_transposed` / `skip_codes`: the caller reads no codes_t / no
+    row-major codes (run_quantizer)."""
     return run_quantizer(b.get(entry["name"]), entry["args"], x, cu, check=False, o=o,
-                         skip_transposed=skip_transposed)
+                         skip_transposed=skip_transposed, skip_codes=skip_codes, params=entry["params"])
 
 
 def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_token", causal: bool = True,
@@ -194,10 +195,11 @@ def packed_attention(q, k, v, cu_seqlens, max_seqlen: int, *, route: str = "fp8_
                               cu_seqlens=cu_seqlens, params=fwd["params"], softmax_scale=scale,
                               schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]), check=not inputs_checked)
     else:
-        # without keep_codes nothing reads Q's and K's transposed codes after the forward (its Vᵀ is V's codes_t):
-        # their launches skip them (a quarter of their bytes)
+        # without keep_codes nothing reads Q's and K's transposed codes after the forward (its Vᵀ is V's codes_t),
+        # nor V's row-major codes: their launches skip them (a quarter of Q's and K's bytes, a fifth of V's)
         ins = fp8_forward_inputs(b, fwd, route, q, k, v, cu_seqlens, profile, launched=launched,
-                                 skip_transposed=() if keep_codes else ("q", "k"))
+                                 skip_transposed=() if keep_codes else ("q", "k"),
+                                 skip_codes=() if keep_codes else ("v",))
         o, lse = run_attn_fwd(b.get(fwd["name"]), fwd["args"], **ins, cu_seqlens=cu_seqlens, params=fwd["params"],
                               softmax_scale=scale, schedule=_fwd_schedule(cu_seqlens, T, fwd["params"]),
                               check=not inputs_checked)
@@ -320,20 +322,26 @@ def assemble_forward_inputs(params: dict, q, k, v, quant) -> dict:
 
 
 def fp8_forward_inputs(b: Bundle, fwd: dict, route: str, q, k, v, cu, profile, launched: dict | None = None,
-                       skip_transposed: tuple[str, ...] = ()) -> dict:
+                       skip_transposed: tuple[str, ...] = (), skip_codes: tuple[str, ...] = ()) -> dict:
     """`assemble_forward_inputs` with the bundle's fused quantizer launches (per-token copies through
     `token_copy_use`). `launched`, when given, receives {(operand, quantizer entry name): its outputs}.
     `skip_transposed`: operands ("q", "k") whose codes_t no one reads (the forward reads Q, K codes and V's codes_t):
-    their launches get a 16-token codes_t stub (run_quantizer)."""
+    their launches get a 16-token codes_t stub; `skip_codes`: ("v",) when no one reads V's row-major codes: a
+    16-token codes stub, where the bundle's quantizer supports it (PARAMS["codes_stub"]; an older one writes them
+    all) (run_quantizer)."""
     root, D = str(b.root), q.shape[2]
     bad = set(skip_transposed) - {"q", "k"}
     if bad:
         raise ValueError(f"skip_transposed: {sorted(bad)}: the forward reads V's transposed codes (only q, k)")
+    bad = set(skip_codes) - {"v"}
+    if bad:
+        raise ValueError(f"skip_codes: {sorted(bad)}: the forward reads Q's and K's codes (only v)")
 
     def launch(x, op, per_token):
         r, o = token_copy_use(root, route, op, D) if per_token else (route, op)
         entry = _pick_cached(root, "quant", r, D, None, profile, o)
-        outs = _quantize(b, entry, x, cu, skip_transposed=op in skip_transposed)
+        outs = _quantize(b, entry, x, cu, skip_transposed=op in skip_transposed,
+                         skip_codes=op in skip_codes and bool(entry.get("params", {}).get("codes_stub")))
         if launched is not None:
             launched[(op, entry["name"])] = outs
         return outs

@@ -147,15 +147,18 @@ def shape_of(shape: Sequence[Any], T: int, H: int, D: int, num_docs: int) -> tup
 
 
 TRANSPOSED_STUB = 16  # tokens of a skipped codes_t: the kernel's T_PAD divisibility (16), never 0 (no null pointer)
+CODES_STUB = 16  # tokens of skipped row-major codes (a quantizer with PARAMS["codes_stub"]): never 0
 
 
 def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: int, num_docs: int,
                      device: torch.device | str, poison: bool = False,
-                     skip_transposed: bool = False) -> dict[str, torch.Tensor]:
+                     skip_transposed: bool = False, skip_codes: bool = False) -> dict[str, torch.Tensor]:
     """Allocate every "out" and "workspace" entry of ARGS with torch.empty.
 
     skip_transposed=True allocates `codes_t` (H, D, T_PAD) as (H, D, TRANSPOSED_STUB): the kernel
     then writes the transposed codes of its first 16 tokens only (the caller reads none of them).
+    skip_codes=True allocates `codes` (T, H, D) as (CODES_STUB, H, D) likewise (only for a kernel whose
+    PARAMS say `codes_stub`: `run_quantizer` checks; the caller reads only codes_t and the scales).
 
     poison=True fills outputs with the byte 0xAB, so an element the kernel never writes
     shows up in a bitwise comparison. Workspaces are zeroed (the kernel re-zeroes them).
@@ -166,6 +169,8 @@ def allocate_outputs(args_spec: Sequence[Mapping[str, Any]], T: int, H: int, D: 
     for name, role, dt, shape, padded in _output_plan(args_spec, T, H, D, num_docs):
         if skip_transposed and name == "codes_t":
             shape = (*shape[:-1], TRANSPOSED_STUB)
+        if skip_codes and name == "codes":
+            shape = (min(CODES_STUB, shape[0]), *shape[1:])
         t = padded_token_rows(shape, dt, device) if padded else torch.empty(shape, dtype=dt, device=device)
         if role == "workspace":
             t.zero_()
@@ -218,7 +223,8 @@ def padded_token_rows(shape: Sequence[int], dtype: torch.dtype, device, t_pad: i
 
 def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]], x: torch.Tensor,
                   cu_seqlens: torch.Tensor, poison: bool = False, check: bool = True,
-                  o: torch.Tensor | None = None, skip_transposed: bool = False) -> dict[str, torch.Tensor]:
+                  o: torch.Tensor | None = None, skip_transposed: bool = False, skip_codes: bool = False,
+                  params: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Call a loaded quantizer `fn(*tensors)` in ARGS order on the current torch stream.
 
     Returns {name: tensor} for every "out" (and "workspace") entry. check=False skips the
@@ -227,7 +233,16 @@ def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]]
     by every other quantizer. `skip_transposed`: the caller reads no `codes_t` (a forward-only
     call's Q and K), so it gets a stub of TRANSPOSED_STUB tokens: the kernel stores only the
     tokens t < T_PAD of codes_t (its last mode), so a quarter of the launch's bytes are not written.
+    `skip_codes`: the caller reads no row-major `codes`, only codes_t and the scales (a forward-only call's V):
+    a stub of CODES_STUB tokens, for a kernel whose `params` (its PARAMS) say `codes_stub` — one built before
+    that predicate would write every token past the stub, so any other is refused.
     """
+    if skip_codes and not (params or {}).get("codes_stub"):
+        raise ValueError("skip_codes: this quantizer stores every token's codes (no PARAMS['codes_stub']: built "
+                         "before 2026-12-04 or without codes_t); rebuild the bundle or pass skip_codes=False")
+    if skip_codes and skip_transposed:
+        raise ValueError("skip_codes and skip_transposed together leave nothing but the scales: not a launch "
+                         "any caller needs")
     if takes_o(args_spec):
         if o is None:
             raise ValueError("this quantizer is a dO launch (with_delta): pass o, the forward output "
@@ -241,7 +256,8 @@ def run_quantizer(fn: Callable[..., Any], args_spec: Sequence[Mapping[str, Any]]
     else:
         T, H, D = (int(s) for s in x.shape)
         nd = cu_seqlens.numel() - 1
-    outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison, skip_transposed=skip_transposed)
+    outs = allocate_outputs(args_spec, T, H, D, nd, x.device, poison=poison, skip_transposed=skip_transposed,
+                            skip_codes=skip_codes)
     inputs = {"x": x, "cu_seqlens": cu_seqlens}
     if o is not None:
         inputs["o"] = o

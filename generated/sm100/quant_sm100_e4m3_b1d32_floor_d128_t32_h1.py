@@ -34,6 +34,7 @@ PARAMS = {
     "tokens_per_cta": 32,
     "heads_per_cta": 1,
     "write_transposed": True,
+    "codes_stub": True,  # stores codes only for tokens below the codes tensor's first mode (a caller's stub)
     "with_delta": False,
     "sm_count": 148,
     "spec_hash": "bdc4bdcef3cc333b",
@@ -246,12 +247,12 @@ class QuantizerSm100:
         nd = cute.size(mCu, mode=[0]) - 1
         grid = [(T_ + 31) // 32, (H + 0) // 1, 1]
         self.kernel(mX, mCu, mCodes, mScales,
-                    cute.size(mCodesT, mode=[2]), mCodesT,
+                    cute.size(mCodesT, mode=[2]), cute.size(mCodes, mode=[0]), mCodesT,
                     T_, H, nd).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mCu: cute.Tensor, mCodes: cute.Tensor, mScales: cute.Tensor,
-               TPAD: Int32, mCodesT: cute.Tensor,
+               TPAD: Int32, TC: Int32, mCodesT: cute.Tensor,
                T_: Int32, H: Int32, nd: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -285,9 +286,12 @@ class QuantizerSm100:
             for j in cutlass.range_constexpr(4):
                 cw[j] = words[j]
             if valid:
-                coff = cute.assume(row * 128 + k * 16, divby=16)
-                dst = cute.make_tensor(cute.recast_ptr(mCodes.iterator + coff, dtype=Uint32), cute.make_layout(4))
-                cute.autovec_copy(cw, dst)
+                # tokens t < TC (the codes' first mode): all of them, or the first 16 of a stub when the caller reads
+                # only codes_t (a forward-only call's V)
+                if t < TC:
+                    coff = cute.assume(row * 128 + k * 16, divby=16)
+                    dst = cute.make_tensor(cute.recast_ptr(mCodes.iterator + coff, dtype=Uint32), cute.make_layout(4))
+                    cute.autovec_copy(cw, dst)
                 if k % 2 == 0:
                     mScales.iterator[row * 4 + k // 2] = Uint8(code)
             # stage the codes K-major: byte (d, token) of head hl; padding tokens get 0
@@ -334,7 +338,8 @@ def compile_args():
     nd1 = cute.sym_int32()
     x = _fake(BFloat16, (t, h, 128), 16)
     cu = _fake(Int32, (nd1,), 4)
-    codes = _fake(Uint8, (t, h, 128), 16)
+    tc = cute.sym_int32()  # codes' tokens: T, or a caller's stub (PARAMS codes_stub), independent of x's T
+    codes = _fake(Uint8, (tc, h, 128), 16)
     scales = _fake(Uint8, (t, h, 4), 1)
     tpad = cute.sym_int32(divisibility=16)
     codes_t = _fake(Uint8, (h, 128, tpad), 16)

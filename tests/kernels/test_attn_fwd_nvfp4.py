@@ -547,9 +547,9 @@ def test_gpu_path_fp8_forward_inputs_equals_the_verify_path(monkeypatch):
     def fake_pick(root, kind, r, d, causal, profile, op=None, det=False):
         return {"name": f"{r}.{op}", "use": (r, op)}
 
-    def fake_quantize(b, entry, x, cu_, o=None, skip_transposed=False):
+    def fake_quantize(b, entry, x, cu_, o=None, skip_transposed=False, skip_codes=False):
         r, op = entry["use"]
-        assert not skip_transposed  # fp8_forward_inputs' default: every launch writes its K-major copy
+        assert not skip_transposed and not skip_codes  # fp8_forward_inputs' default: every launch writes all
         launched.append((r, op))
         z = quantize(x, getattr(get_route(r).operands, op), cu_)
         out = dict(codes=z.codes, scales=z.scales)

@@ -414,3 +414,24 @@ def test_allocate_outputs_plan_cache_per_args_and_sizes():
     other = [dict(e, shape=["T", "H"]) if e["name"] == "codes" else e for e in args]
     assert allocate_outputs(other, 40, 2, 128, 1, "cpu")["codes"].shape == (40, 2)
     assert allocate_outputs(args, 40, 2, 128, 1, "cpu")["codes"].shape == (40, 2, 128)
+
+
+@pytest.mark.parametrize("ctx", REPRESENTATIVE, ids=lambda c: c["name"])
+def test_codes_stub_exactly_where_codes_t_is_written(ctx):
+    """A quantizer that writes codes_t stores row-major codes only for tokens below the codes tensor's first mode
+    (TC), and says so in PARAMS (codes_stub): the runtime stubs V's codes on forward-only calls only for such a
+    kernel. The scales are stored for every token either way (the forward reads V's per-token exponents)."""
+    src = render(ctx)
+    lit = _module_literals(src)
+    wt = lit["PARAMS"]["write_transposed"]
+    assert lit["PARAMS"].get("codes_stub", False) is wt
+    assert ("cute.size(mCodes, mode=[0])" in src) is wt and ("if t < TC:" in src) is wt
+    if wt:
+        lines = src.splitlines()
+        i = next(n for n, ln in enumerate(lines) if ln.strip() == "if t < TC:")
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        assert lines[i + 3].strip() == "cute.autovec_copy(cw, dst)"  # the codes store, under the predicate
+        assert all(len(ln) - len(ln.lstrip()) == indent + 4 for ln in lines[i + 1:i + 4])
+        if ctx["granularity"] == "token":  # the per-token scale: beside the predicate, not under it
+            sc = next(n for n in range(i, len(lines)) if "mScales.iterator[row] = " in lines[n])
+            assert lines[sc - 1].strip() == "if k == 0:" and len(lines[sc - 1]) - len(lines[sc - 1].lstrip()) == indent

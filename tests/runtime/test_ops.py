@@ -522,9 +522,9 @@ def test_gpu_kept_codes_equal_recomputed_codes(causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ["fp8_token", "fp8_tensor", "mxfp8_exact"])
 def test_gpu_forward_only_skips_transposed_codes_bitwise(route):
-    """A forward-only call (no_grad): Q's and K's quantizer launches write a 16-token codes_t stub. Their
-    codes and scales are bitwise those of the full launch, the stub is the full codes_t's first 16 tokens,
-    and O is bitwise the O of a call that keeps everything (poisoned outputs: nothing left unwritten)."""
+    """A forward-only call (no_grad): Q's and K's quantizer launches write a 16-token codes_t stub, V's a 16-token
+    codes stub. Their other outputs are bitwise those of the full launch, each stub is the full tensor's first 16
+    tokens, and O is bitwise the O of a call that keeps everything (poisoned outputs: nothing left unwritten)."""
     from flamia_gen.runtime.attention import _current_bundle, _pick_cached, doc_profile
     from flamia_gen.runtime.quant import run_quantizer
 
@@ -542,6 +542,16 @@ def test_gpu_forward_only_skips_transposed_codes_bitwise(route):
         for f in full:
             if f not in ("codes_t", "amax_ws"):
                 assert torch.equal(stub[f], full[f]), (op, f)
+    # V: its row-major codes are a 16-token stub (the forward reads codes_t and the scales), where the kernel
+    # supports it (PARAMS codes_stub)
+    e = _pick_cached(str(b.root), "quant", route, D, None, prof, "v")
+    if e["params"].get("codes_stub"):
+        full = run_quantizer(b.get(e["name"]), e["args"], v, cu, poison=True)
+        stub = run_quantizer(b.get(e["name"]), e["args"], v, cu, poison=True, skip_codes=True, params=e["params"])
+        assert stub["codes"].shape[0] == 16 and torch.equal(stub["codes"], full["codes"][:16])
+        for f in full:
+            if f not in ("codes", "amax_ws"):
+                assert torch.equal(stub[f], full[f]), ("v", f)
     with torch.no_grad():
         o_fwd = flamia_gen.attention(q, k, v, cu, m, route=route)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -806,7 +816,8 @@ def test_forward_only_backward_still_works(monkeypatch, tmp_path):
 
 def test_fp8_forward_inputs_skips_q_k_transposed_codes(monkeypatch, tmp_path):
     """The forward's quantizer launches with skip_transposed=("q", "k"): Q's and K's codes_t are 16-token
-    stubs, V's (the forward's Vᵀ) full; V may not be skipped."""
+    stubs, V's (the forward's Vᵀ) full; V may not be skipped. With skip_codes=("v",) V's row-major codes are a
+    16-token stub (its codes_t and scales full); Q's and K's codes may not be skipped."""
     from flamia_gen.runtime.attention import _bundle, doc_profile, fp8_forward_inputs
     from flamia_gen.runtime.bundle import Bundle
 
@@ -818,7 +829,7 @@ def test_fp8_forward_inputs_skips_q_k_transposed_codes(monkeypatch, tmp_path):
     d = tmp_path / "bundle"
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "variants": variants}))
-    shapes = []
+    shapes, code_shapes = [], []
 
     def stand_in(self, name):
         entry = next(v for v in variants if v["name"] == name)
@@ -826,6 +837,7 @@ def test_fp8_forward_inputs_skips_q_k_transposed_codes(monkeypatch, tmp_path):
         def fn(*args):
             by = {a["name"]: t for a, t in zip(entry["args"], args)}
             shapes.append(tuple(by["codes_t"].shape))
+            code_shapes.append(tuple(by["codes"].shape))
         return fn
 
     monkeypatch.setattr(Bundle, "get", stand_in)
@@ -839,8 +851,20 @@ def test_fp8_forward_inputs_skips_q_k_transposed_codes(monkeypatch, tmp_path):
         warnings.simplefilter("ignore", RuntimeWarning)
         ins = fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_transposed=("q", "k"))
         assert shapes == [(HQ, D, 16), (HKV, D, 16), (HKV, D, 80)] and ins["v"].shape == (HKV, D, 80)
+        assert code_shapes == [(t, HQ, D), (t, HKV, D), (t, HKV, D)]
         shapes.clear()
+        code_shapes.clear()
         fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof)
         assert shapes == [(HQ, D, 80), (HKV, D, 80), (HKV, D, 80)]
         with pytest.raises(ValueError, match="skip_transposed.*'v'"):
             fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_transposed=("v",))
+        # V's row-major codes: a 16-token stub (the rendered quantizer says codes_stub); Q's and K's may not be
+        assert variants[0]["params"]["codes_stub"] is True
+        shapes.clear()
+        code_shapes.clear()
+        ins = fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_transposed=("q", "k"),
+                                 skip_codes=("v",))
+        assert code_shapes == [(t, HQ, D), (t, HKV, D), (16, HKV, D)] and ins["v"].shape == (HKV, D, 80)
+        assert ins["v_scale"].shape == (t, HKV)
+        with pytest.raises(ValueError, match="skip_codes.*'q'"):
+            fp8_forward_inputs(b, fwd, "fp8_token", q, k, v, cu, prof, skip_codes=("q",))
