@@ -126,6 +126,16 @@ EXPERIMENTS: dict[str, dict] = {
                  note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal without the overlap)"),
     "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
                    note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
+    # round 23 (2026-12-04, twenty-first session; docs/kernels/attn_fwd.md "Where the FP8 forward kernel waits"): each
+    # warpgroup's softmax waits for its own QKᵀ; with 64-key tiles the 3-warpgroup kernel holds two S tiles (2 × 32
+    # registers) and can take the intra-warpgroup overlap (QKᵀ of tile j+1 issued before the softmax of tile j),
+    # which at 128 keys only the 2-warpgroup kernels can. SASS (sm_90a, fp8_tensor D = 128): no spills, main loop 321
+    # instructions per 64-key tile (the default: 475 per 128). Built, not yet run.
+    "n64": dict(over={"tile_n": 64}, when=lambda p: p["compute_warpgroups"] == 3 and not p["intra_wg_overlap"],
+                note="64-key tiles (3 warpgroups), ex2 turns as the default"),
+    "n64ovl": dict(over={"tile_n": 64, "intra_wg_overlap": True},
+                   when=lambda p: p["compute_warpgroups"] == 3 and not p["intra_wg_overlap"],
+                   note="64-key tiles with the intra-warpgroup overlap (3 warpgroups; no ex2 turns, no ping-pong)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
