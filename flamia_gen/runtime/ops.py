@@ -11,7 +11,7 @@ Two opaque ops (docs/ops.md):
   log. codes: on routes where `attention.saves_codes` (the sm90 backward's per-token E4M3 routes:
   fp8_token), the forward's Q, K, V codes, K-major copies and scales (8 uint8 tensors: no Vᵀ), kept for
   the backward; else 8 empty ones. `forward_only` (set by `attention` when no gradient can be asked for):
-  no codes kept and Q's, K's launches skip their K-major copies (a quarter of those launches' bytes).
+  no codes kept; Q's and K's launches skip their K-major copies, V's its row-major codes (packed_attention).
 - `flamia::attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale,
   codes, deterministic) -> (dq, dk, dv)`: reads the forward's codes when given, else RECOMPUTES the
   quantization of Q, K, V (three memory-bound launches, bit for bit what the forward used: the
@@ -144,8 +144,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     the backward reads (SAVED_FIELDS: Q and K codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H); V codes
     and scales; uint8), so the backward does not recompute them; else empty uint8 tensors. `deterministic` is
     for the backward (the forward is deterministic): autograd passes it on. `forward_only` (no gradient will be
-    asked for: `attention` under no_grad or without inputs that require grad): no codes kept, and Q's and K's
-    quantizer launches skip their transposed codes; a backward after it still works (it re-quantizes)."""
+    asked for: `attention` under no_grad or without inputs that require grad): no codes kept, and the quantizer
+    launches skip what the forward does not read (packed_attention); a backward after it still works (it
+    re-quantizes)."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, route, softmax_scale)
     if saves_codes(route) and not forward_only:
         o, lse, codes = packed_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),

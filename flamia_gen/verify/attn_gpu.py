@@ -187,13 +187,6 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
     return rows
 
 
-def timed_inputs_key(route: str, doc_lens, heads: int, params: dict) -> tuple:
-    """What makes two forward variants' timed input sets the same: the route, rows, heads, head dim, tiles (the
-    schedule) and causality."""
-    p = params
-    return (route, tuple(doc_lens), heads, p["head_dim"], p["tile_m"], p.get("tile_n"), p["causal"])
-
-
 def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: dict | None = None) -> dict:
     """Kernel-only time (inputs already quantized, schedule built once outside the timer:
     `timed_call_inputs`), CUDA events, median; causal FLOPs.
@@ -205,7 +198,7 @@ def time_attn_entry(bundle, entry, doc_lens, heads=16, iters=20, inputs_cache: d
     fn = bundle.get(entry["name"])
     d = entry["params"]["head_dim"]
     p = entry["params"]
-    key = timed_inputs_key(route.name, doc_lens, heads, p)
+    key = (route.name, tuple(doc_lens), heads, d, p["tile_m"], p.get("tile_n"), p["causal"])
     sets = inputs_cache.get(key) if inputs_cache is not None else None
     if sets is None:
         gen = torch.Generator().manual_seed(1)
