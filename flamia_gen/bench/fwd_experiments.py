@@ -126,16 +126,18 @@ EXPERIMENTS: dict[str, dict] = {
                  note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal without the overlap)"),
     "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
                    note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
-    # round 23 (2026-12-04, twenty-first session; docs/kernels/attn_fwd.md "Where the FP8 forward kernel waits"): each
-    # warpgroup's softmax waits for its own QKᵀ; with 64-key tiles the 3-warpgroup kernel holds two S tiles (2 × 32
-    # registers) and can take the intra-warpgroup overlap (QKᵀ of tile j+1 issued before the softmax of tile j),
-    # which at 128 keys only the 2-warpgroup kernels can. SASS (sm_90a, fp8_tensor D = 128): no spills, main loop 321
-    # instructions per 64-key tile (the default: 475 per 128). Built, not yet run.
-    "n64": dict(over={"tile_n": 64}, when=lambda p: p["compute_warpgroups"] == 3 and not p["intra_wg_overlap"],
-                note="64-key tiles (3 warpgroups), ex2 turns as the default"),
-    "n64ovl": dict(over={"tile_n": 64, "intra_wg_overlap": True},
-                   when=lambda p: p["compute_warpgroups"] == 3 and not p["intra_wg_overlap"],
-                   note="64-key tiles with the intra-warpgroup overlap (3 warpgroups; no ex2 turns, no ping-pong)"),
+    # round 24 (2026-12-04, twenty-second session): FA3's FP8 tile at D = 128 is 128 × 224 with the overlap and P in
+    # registers (2 consumer warpgroups, 240 registers each). The overlap holds ONE fp32 S tile (the next QKᵀ) plus the
+    # previous tile's P codes and O, but the planner counts two S tiles, so it prunes m128n192 and wider with the
+    # overlap; these copies skip that estimate (`regs_unchecked`: ptxas decides, the SASS shows any spill).
+    "n192ovl": dict(over={"tile_n": 192}, regs_unchecked=True,
+                    when=lambda p: p["compute_warpgroups"] == 2 and p["intra_wg_overlap"] and p["tile_n"] == 128
+                    and p["head_dim"] == 128,
+                    note="m128n192 with the overlap and ping-pong (2 warpgroups)"),
+    "n224ovl": dict(over={"tile_n": 224}, regs_unchecked=True,
+                    when=lambda p: p["compute_warpgroups"] == 2 and p["intra_wg_overlap"] and p["tile_n"] == 128
+                    and p["head_dim"] == 128,
+                    note="m128n224 with the overlap and ping-pong (2 warpgroups; FA3's FP8 tile at D = 128)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
@@ -165,6 +167,8 @@ def experiment_variants(flags=DEFAULT_EXPERIMENTS, route: str = ROUTE, base_vari
                 continue
             p.update(ex["over"])
             ok, reason = _feasible(v, p)
+            if not ok and ex.get("regs_unchecked") and "live registers" in reason:
+                ok = True  # the planner's register estimate is skipped on purpose; the SASS decides
             if not ok:  # e.g. a second staging tile past the shared memory an SM gives one CTA (found at launch once)
                 print(f"experiment {tag}: {v.name} left out: {reason}", file=sys.stderr)
                 continue
