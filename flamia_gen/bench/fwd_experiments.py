@@ -138,6 +138,9 @@ EXPERIMENTS: dict[str, dict] = {
                     when=lambda p: p["compute_warpgroups"] == 2 and p["intra_wg_overlap"] and p["tile_n"] == 128
                     and p["head_dim"] == 128,
                     note="m128n224 with the overlap and ping-pong (2 warpgroups; FA3's FP8 tile at D = 128)"),
+    # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
+    # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
+    "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, note="DIAGNOSTIC: no ex2 in pass 2 (wrong O)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
