@@ -98,6 +98,9 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     # fp32 accumulators per thread: O (64×D/128) + S (64×n/128), twice S when the softmax
     # of one tile overlaps the QKᵀ of the next, + ~24 for row state, scales and addresses
     # (m192 n128 at 3 warpgroups: 152 of 160, compiled with no spills: REG 128, STACK 8).
+    # With the overlap the template holds one S tile plus the previous P (n/8 or n/4 registers), so "twice S"
+    # over-counts; kept on purpose: what it prunes (m128n192 / m128n224 with the overlap) spills at 232
+    # registers and ran 0.69× the table's FP8 kernel on the H200 (docs/perf-notes.md round 24).
     live = d // 2 + (n // 2) * (2 if params["intra_wg_overlap"] else 1) + 24
     budget = CONSUMER_REGS_BY_WG[wg]
     if live > budget:
