@@ -126,6 +126,10 @@ EXPERIMENTS: dict[str, dict] = {
                  note="the exp argument as one FFMA (where it is off by default: bf16 D = 128 non-causal without the overlap)"),
     "nofexp": dict(over={"fwd_fused_exp": False}, when=_fused_exp_default,
                    note="the exp argument as FMUL + FADD (the kernel before fwd_fused_exp)"),
+    # round 24 (2026-12-04): the kernel before fwd_ukv_bare_k (fp8_tensor's producer still loading and writing per-key
+    # factors nobody reads, K held until after the softmax) for the A/B against today's default
+    "ukvfac": dict(over={"fwd_ukv_bare_k": False}, when=_uniform_kv_applies,
+                   note="fp8_tensor's producer writing per-key factors again (the kernel before fwd_ukv_bare_k)"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, note="DIAGNOSTIC: no ex2 in pass 2 (wrong O)"),

@@ -60,6 +60,7 @@ PARAMS = {
     "fwd_window_pass": True,
     "fwd_wg_skip": True,
     "fwd_uniform_kv": True,
+    "fwd_ukv_bare_k": True,
     "fwd_fused_exp": True,
     "ex2_ring": True,
     "fwd_dynamic": True,
@@ -574,32 +575,7 @@ class AttnFwdSm90:
                mKs: cute.Tensor, mVs: cute.Tensor, sScale: cute.Tensor, key_base: Int32, hkv: Int32, T: Int32,
                lane: Int32,
                ):
-        # Per-key scale factors travel with K: written by the producer warp, published by the
-        # K stage's full-barrier arrive (release), read by the consumers after their wait.
-        # The scale codes are fetched (global loads) before waiting for the stage to empty, so
-        # their latency overlaps the wait instead of delaying the stage's refill (and its K TMA).
-        kcs = cute.make_rmem_tensor(self.tile_n // 32, Int32)
-        vcs = cute.make_rmem_tensor(self.tile_n // 32, Int32)
-        for j in cutlass.range_constexpr(self.tile_n // 32):
-            tok = key_base + n * self.tile_n + lane + 32 * j
-            kcs[j] = Int32(0)
-            vcs[j] = Int32(0)
-            if tok < T:
-                kcs[j] = Int32(mKs[tok, hkv])
-                vcs[j] = Int32(mVs[tok, hkv])
-        pipe_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
-        base = kv_state.index * self.scale_words
-        for j in cutlass.range_constexpr(self.tile_n // 32):
-            kc = kcs[j]
-            vc = vcs[j]
-            c = col_of_key(lane + 32 * j)  # the S column that holds this key
-            sScale[base + scale_word(c, 0)] = bits_f32(Uint32(kc) << Uint32(23))
-            sScale[base + scale_word(c, 1)] = Float32(vc - 127)
-            # 2^(−ev−p_exp); clamped for vc ≥ 245 (|v| ≥ 2^118: no finite use)
-            inv_bits = cutlass.max(Int32(246) - vc, Int32(1))
-            sScale[base + scale_word(c, 2)] = bits_f32(Uint32(inv_bits) << Uint32(23))
-        cute.arch.sync_warp()
-        pipe_k.sync_object_full.arrive(kv_state.index, pipe_k.producer_mask)
+        pipe_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n], tKsK[None, kv_state.index], tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
 
     # -----------------------------------------------------------------------------------
