@@ -554,7 +554,10 @@ def test_release_k_early_factor_slots_protocol(v, stages):
     assert _factor_race(lambda t: t % S, S) is not None
     # the factor buffer has 2·stages slots, on both sides of the allocation
     assert src.count("2 * self.stages * self.scale_words") == 2
-    assert "base = factor_slot(kv_state.index, kv_state.phase ^ 1) * self.scale_words" in src
+    if lit.get("fwd_ukv_bare_k"):  # fp8_tensor: the producer writes no per-key factor at all (round 24)
+        assert "sScale[base + scale_word(" not in src and "pipe_k.sync_object_full.arrive(" not in src
+    else:
+        assert "base = factor_slot(kv_state.index, kv_state.phase ^ 1) * self.scale_words" in src
     # K is released before the softmax reads the factors, in every consumer path
     for fn in ("def one_tile(", "def overlap_tile(", "def first_tile("):
         if fn not in src:
@@ -868,6 +871,27 @@ def test_short_documents_read_the_diagonal_copies_on_every_pair(v):
             assert n_mask == 0 and nblk >= 1, (s, L, n_mask)
     src = render_variant(v)
     assert "n_mask, n_lo = Int32(0), Int32(0)  # window: every tile masked" in src
+
+
+@pytest.mark.parametrize("v", [v for v in _FP8 if "_fp8_tensor_" in v.name], ids=lambda v: v.name)
+def test_ukv_bare_k_producer_writes_no_factors(v):
+    """fwd_ukv_bare_k (round 24, default): with uniform K / V factors the producer loads and writes no per-key factor
+    (the consumers read none), and the 2-warpgroup consumers release K right after QKᵀ; `ukvfac` renders the kernel
+    before (per-key factors written, K held until after the softmax)."""
+    src = render_variant(v)
+    lit = _literals(src)["PARAMS"]
+    if not lit.get("fwd_uniform_kv"):
+        pytest.skip("not a uniform-factor variant")
+    old = _render_with(v, fwd_ukv_bare_k=False)
+    assert lit["fwd_ukv_bare_k"] is True and "fwd_ukv_bare_k" not in _literals(old)["PARAMS"]
+    load_k = lambda s: s[s.index("def load_k("):s.index("def load_k(") + 4000]  # noqa: E731
+    assert "mKs[tok, hkv]" not in load_k(src) and "pipe_k.producer_acquire(kv_state)" in load_k(src)
+    assert "mKs[tok, hkv]" in load_k(old) and "sScale[base + scale_word(c, 0)]" in load_k(old)
+    fn = "def overlap_tile(" if "def overlap_tile(" in src else "def one_tile("
+    for s_, early in ((src, v.param("compute_warpgroups") == 2), (old, False)):
+        body = s_[s_.index(fn):]
+        rel, sm = body.find("pipe_k.consumer_release(kv_state)"), body.find("self.softmax(")
+        assert (0 < rel < sm) is early, (fn, early)
 
 
 @pytest.mark.parametrize("route", ["fp8_tensor", "bf16"])
