@@ -130,6 +130,11 @@ EXPERIMENTS: dict[str, dict] = {
     # factors nobody reads, K held until after the softmax) for the A/B against today's default
     "ukvfac": dict(over={"fwd_ukv_bare_k": False}, when=_uniform_kv_applies,
                    note="fp8_tensor's producer writing per-key factors again (the kernel before fwd_ukv_bare_k)"),
+    # round 24 (built, not yet run): the producer loads the next tile's scale codes after this tile's K TMA
+    "kpre": dict(over={"fwd_factor_prefetch": True},
+                 when=lambda p: _e4m3_qk(p) and not _uniform_kv_applies(p) and not p.get("diag_k")
+                 and not p.get("diag_v"),
+                 note="per-key scale codes prefetched a tile ahead by the producer (fp8_token, mxfp8)"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, note="DIAGNOSTIC: no ex2 in pass 2 (wrong O)"),
