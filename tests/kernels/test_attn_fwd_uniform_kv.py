@@ -65,11 +65,15 @@ def test_softmax_loads_no_per_key_factor(v):
     assert "row_q = cute.make_rmem_tensor((4,), Float32)" in src
     # 2^ek folded into the row factor; the per-unit values use the producer's bit formulas for every key
     assert "* scale_log2 * ck_u" in src
-    prod = src[src.index("    def load_k("):]  # the producer's factor words
+    # since fwd_ukv_bare_k (default) the producer writes no per-key factor words at all; the formulas are checked
+    # against the producer of the kernel before it (the per-key words the per-unit values replace)
+    assert "sScale[base + scale_word(" not in src[src.index("    def load_k("):]
+    old = _render_with(v, fwd_fused_exp=False, fwd_ukv_bare_k=False)
+    prod = old[old.index("    def load_k("):]  # the producer's factor words
     assert "bits_f32(Uint32(kc) << Uint32(23))" in prod and "ck_u = bits_f32(Uint32(kc_u) << Uint32(23))" in src
-    assert "sScale[base + scale_word(c, 1)] = Float32(vc - 127)" in src and "row_q[2] = Float32(vc_u - 127)" in src
+    assert "sScale[base + scale_word(c, 1)] = Float32(vc - 127)" in prod and "row_q[2] = Float32(vc_u - 127)" in src
     p = v.param("p_static_exponent")
-    assert f"cutlass.max(Int32({254 - p}) - vc, Int32(1))" in src
+    assert f"cutlass.max(Int32({254 - p}) - vc, Int32(1))" in prod
     assert f"cutlass.max(Int32({254 - p}) - vc_u, Int32(1))" in src
 
 
