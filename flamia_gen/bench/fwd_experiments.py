@@ -137,11 +137,13 @@ EXPERIMENTS: dict[str, dict] = {
                  note="per-key scale codes prefetched a tile ahead by the producer (fp8_token, mxfp8)"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
-    "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, note="DIAGNOSTIC: no ex2 in pass 2 (wrong O)"),
+    "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, diagnostic=True,
+                  note="DIAGNOSTIC: no ex2 in pass 2 (wrong O)"),
     "nowgskip": dict(over={"fwd_wg_skip": False}, when=_wg_skip_default,
                      note="without the skipped dead warpgroup tiles (the kernel before 2026-12-04)"),
 }
-DEFAULT_EXPERIMENTS = tuple(EXPERIMENTS)
+# diagnostics (wrong output by design) are built only when named in --only
+DEFAULT_EXPERIMENTS = tuple(t for t, ex in EXPERIMENTS.items() if not ex.get("diagnostic"))
 ROUTE = "fp8_token"
 
 

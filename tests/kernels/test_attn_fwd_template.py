@@ -900,6 +900,9 @@ def test_noex2_diagnostic_drops_pass_2s_ex2_only_in_its_copies(route):
     default renders keep one ex2 per score."""
     from flamia_gen.bench.fwd_experiments import experiment_variants
 
+    from flamia_gen.bench.fwd_experiments import DEFAULT_EXPERIMENTS
+
+    assert "noex2" not in DEFAULT_EXPERIMENTS and "kpre" in DEFAULT_EXPERIMENTS  # a diagnostic only when asked for
     pairs = experiment_variants(("noex2",), route=route)
     base = {v.name: v for t, v in pairs if not t}
     copies = [v for t, v in pairs if t == "noex2"]
