@@ -100,6 +100,22 @@ def quant_p(p: torch.Tensor, spec: OperandQuant) -> torch.Tensor:
     return quant_with_exponent(p, e, spec.format)
 
 
+def flip_one_p(e: torch.Tensor, p_t: torch.Tensor, log2_carry: torch.Tensor, spec: OperandQuant,
+               rel: float) -> torch.Tensor:
+    """P̂ with, in each row, the one code the kernel may legitimately round the other way: of the
+    values e (before rounding) within a relative `rel` of a rounding midpoint (e·(1 ± rel) round to
+    a different code), the one of largest final weight p_t·2^log2_carry. The emulator's FP8 MMA
+    model places scores to ~5e-5 relative, not bit for bit (a 2026-12-04 dump: P̂·2^8 = 184.0088 against
+    the midpoint 184 of the codes 176 | 192), so a P̂ that close to a midpoint is the kernel's either way;
+    on a short row that one code moves O by 1e-5 in cosine (verify.attn_gpu `flip_aware_emulator`)."""
+    up, dn = quant_p(e * (1.0 + rel), spec), quant_p(e * (1.0 - rel), spec)
+    alt = torch.where(up != p_t, up, torch.where(dn != p_t, dn, p_t))
+    w = torch.where((alt != p_t) & torch.isfinite(e), p_t * torch.exp2(log2_carry), torch.full_like(p_t, -1.0))
+    best = w.argmax(dim=-1, keepdim=True)
+    has = w.gather(-1, best) > 0
+    return p_t.scatter(-1, best, torch.where(has, alt.gather(-1, best), p_t.gather(-1, best)))
+
+
 def group_amax(x: torch.Tensor, rows: int, cols: int, row0: int = 0, col0: int = 0) -> torch.Tensor:
     """|x| max over (rows × cols) groups of the last two dims, expanded back. Groups are aligned on a
     grid in which x[…, 0, 0] sits at (row0, col0): group edges at grid coordinates ≡ 0 (mod rows, cols)."""
@@ -444,13 +460,15 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_
     return out
 
 
-def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0, length: int = 0, delta: int = 0):
+def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0, length: int = 0, delta: int = 0,
+                   p_flip_rel: float = 0.0):
     """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
     V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
     power of two (p_reference exact: m = max visible x + e_v, the dominant P̂ is exactly 2^static and a
     rescale is an fp32 multiply); the denominator l = Σ exp2(x − max x) is fp32, unquantized. A quantized P̂
     is rounded under the kernel's running max m_t of the tiles visited so far and carried to
-    the final m exactly (× 2^(m_t − m)): the same value unless it is subnormal under m."""
+    the final m exactly (× 2^(m_t − m)): the same value unless it is subnormal under m.
+    p_flip_rel > 0: also return O with one P̂ per row rounded the other way (`flip_one_p`): a third result."""
     x = scores_log2(plan, qr, kd, kt, g)
     ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
     y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
@@ -477,28 +495,36 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
         l = torch.exp2(x - mx[..., None]).sum(dim=-1)
     else:  # the kernel's l sums the same exponentials, V's fold taken back out
         l = torch.where(g.visible, e * torch.exp2(mt - ev - mx[..., None]), 0.0).sum(dim=-1)
-    if plan.mma_pv:
-        # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
-        p_scale = float(2.0 ** pq.static_exponent)
-        split = vt is not None and g.diag is not None
-        acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta,
-                                 vt.codes if split else None, g.diag if split else None) / p_scale
-    else:  # P̂ carried from its running reference to the final m (exact powers of two)
-        p_hat = torch.exp2(y - m[..., None]) if p_t is None else p_t * torch.exp2(mt - m[..., None])
-        acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
-    o = acc * (torch.exp2(m - mx) / torch.where(empty, 1.0, l))[..., None]
-    o = torch.where(empty[..., None], 0.0, o)
+
+    def output(p_t):
+        if plan.mma_pv:
+            # codes = P̂·2^static_exponent (E4M3 values); the kernel's accumulator ends under m
+            p_scale = float(2.0 ** pq.static_exponent)
+            split = vt is not None and g.diag is not None
+            acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta,
+                                     vt.codes if split else None, g.diag if split else None) / p_scale
+        else:  # P̂ carried from its running reference to the final m (exact powers of two)
+            p_hat = torch.exp2(y - m[..., None]) if p_t is None else p_t * torch.exp2(mt - m[..., None])
+            acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
+        o = acc * (torch.exp2(m - mx) / torch.where(empty, 1.0, l))[..., None]
+        return torch.where(empty[..., None], 0.0, o)
+
+    o = output(p_t)
     lse = torch.where(empty, float("inf"), (mx + torch.log2(l)) * LN2)
-    return o, lse
+    if p_flip_rel <= 0.0:
+        return o, lse
+    o_flip = o if p_t is None or poly is not None else output(flip_one_p(e, p_t, mt - m[..., None], pq, p_flip_rel))
+    return o, lse, o_flip
 
 
 def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None,
-                  key_align=1, mma="exact"):
+                  key_align=1, mma="exact", p_flip_rel: float = 0.0):
     """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log). `key_align`: the
     kernel's key tiles start at the document start rounded down to a multiple of it (16 for
     the sm90 FP8 forward, whose Vᵀ TMA needs 16-byte-aligned key coordinates). `mma`: the
     tensor-core accumulation model of the products (numerics.mma; "sm90_fp8" is slow, for
-    checking a Hopper kernel)."""
+    checking a Hopper kernel). `p_flip_rel` > 0: a third result, O with one P̂ per row rounded the
+    other way where the kernel may round it so (`flip_one_p`; verification only)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma)
     f = prepare_forward(plan, q, k, v, cu_seqlens)
@@ -506,6 +532,7 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
     qheads = torch.arange(Hq, device=q.device)
     o = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
     lse = torch.full((T, Hq), float("inf"), dtype=torch.float32, device=q.device)
+    o_flip = torch.zeros_like(o) if p_flip_rel > 0.0 else None
     for s, e in doc_ranges(cu_seqlens):
         qd, kd, vd = f.qs.doc(s, e, qheads), f.ks.doc(s, e, heads), f.v.doc(s, e, heads)
         kt = f.ks_tok.doc(s, e, heads) if f.ks_tok else None
@@ -513,11 +540,13 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
         for a, b in query_chunks(e - s, chunk_rows(plan.chunk, Hq, e - s, plan.tile_m)):
             n = b if causal else e - s
             g = geometry(plan, a, b, n, e - s, q.device, s % plan.key_align)
-            oc, lc = _forward_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n),
-                                    _cut(vt, n), g, a, e - s, s % plan.key_align)
-            o[s + a:s + b] = oc.transpose(0, 1)
-            lse[s + a:s + b] = lc.transpose(0, 1)
-    return o, lse
+            res = _forward_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n),
+                                 _cut(vt, n), g, a, e - s, s % plan.key_align, p_flip_rel)
+            o[s + a:s + b] = res[0].transpose(0, 1)
+            lse[s + a:s + b] = res[1].transpose(0, 1)
+            if o_flip is not None:
+                o_flip[s + a:s + b] = res[2].transpose(0, 1)
+    return (o, lse) if o_flip is None else (o, lse, o_flip)
 
 
 def _rows(r: Rep, a: int, b: int) -> Rep:

@@ -136,8 +136,9 @@ def _verify_attention(rows_fn: Callable[[], list[dict]], device: int) -> tuple[b
         return True, ""
     r = bad[0]
     probe = f" probe={r['probe_max_rel_change']}" if "probe_max_rel_change" in r else ""
+    flips = f" p_flip_rows={r['p_flip_rows']}" if "p_flip_rows" in r else ""
     return False, (f"input {r.get('kind')!r}: cos_emulator={r.get('cos_emulator')} cos_fp32={r.get('cos_fp32')} "
-                   f"nan={r.get('nan')}{probe}")
+                   f"nan={r.get('nan')}{probe}{flips}")
 
 
 class AttnFwdHook:

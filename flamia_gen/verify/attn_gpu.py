@@ -16,6 +16,7 @@ import torch
 from ..numerics import quantize
 from ..numerics.metrics import cosine
 from ..numerics.reference import attention as ref_attention
+from ..numerics.reference_route import route_forward
 from ..bench.flops import attention_flops
 from ..runtime.attention import assemble_forward_inputs
 from ..runtime.attn_bwd import fwd_tile_n_of
@@ -31,6 +32,14 @@ from ..spec.enums import Granularity
 # tensor cores' truncated score sums move P̂ (3 mantissa bits) across E4M3 ties; with the
 # model 0.999998–0.9999996 and 0.99997 (outliers: near-tie roundings the model misses).
 EMULATOR_COSINE = 0.99999
+# The model still places scores only to ~5e-5 relative: a P̂ whose value before rounding sits that close
+# to an E4M3 midpoint may be rounded either way by the kernel. On a row of a few keys that one code
+# costs 1e-5 of cosine (2026-12-04: tiny_docs, a 14-key row, P̂·2^8 = 184.0088 at the midpoint 184;
+# every m128n128 E4M3 forward missed the bound by 3e-10, the m192n128 ones passed by 6e-12). So each row
+# may match the emulator with its one such P̂ rounded the other way instead (`flip_aware_emulator`);
+# rows doing so are counted, and more than FLIP_ROWS_MAX of all rows fails.
+P_FLIP_REL = 2.0 ** -12
+FLIP_ROWS_MAX = 0.05
 FP32_COSINE_8BIT = 0.998  # = verify.cpu's default floor; nvfp4_mixed has its own there (0.99)
 
 
@@ -57,6 +66,16 @@ def dump_case(dump_dir, entry: dict, kind: str, **tensors) -> str:
     torch.save(dict(variant=entry["name"], route=entry["uses"][0], params=dict(entry["params"]), kind=kind,
                     **{k: v.detach().cpu() for k, v in tensors.items()}), path)
     return path
+
+
+def flip_aware_emulator(o: torch.Tensor, emu: torch.Tensor, emu_flip: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the emulator's O with each (token, head) row taken from `emu_flip` where that row is strictly
+    closer to the kernel's `o`, the number of rows taken so). `emu_flip`: the emulator with one P̂ per
+    row rounded the other way (numerics.reference_route.flip_one_p), rows without such a P̂ equal to `emu`."""
+    d0 = (o.float() - emu.float()).pow(2).sum(-1)
+    d1 = (o.float() - emu_flip.float()).pow(2).sum(-1)
+    take = d1 < d0
+    return torch.where(take[..., None], emu_flip, emu), int(take.sum())
 
 
 def make_docs(kind: str, gen: torch.Generator) -> list[int]:
@@ -154,12 +173,14 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         q, k, v, cu = make_qkv(docs, hq, hkv, d, kind, gen, "cuda")
         o, lse = run_kernel(fn, entry, route, q, k, v, cu)
         torch.cuda.synchronize()
-        emu, emu_lse = ref_attention(q, k, v, cu, causal=causal, route=route.name, return_lse=True,
-                                     **emulator_options(params))
+        emu, emu_lse, emu_flip = route_forward(route, q, k, v, cu, causal, p_flip_rel=P_FLIP_REL,
+                                               **emulator_options(params))
         exact = ref_attention(q, k, v, cu, causal=causal, route=None)
         nan = int(torch.isnan(o).sum())
         # the kernel writes BF16: the emulator of its numerics includes that final rounding
-        c_emu = float(cosine(o.float(), emu.to(torch.bfloat16).float()))
+        emu_best, flip_rows = flip_aware_emulator(o, emu.to(torch.bfloat16), emu_flip.to(torch.bfloat16))
+        flips_ok = flip_rows <= FLIP_ROWS_MAX * o.shape[0] * o.shape[1]
+        c_emu = float(cosine(o.float(), emu_best.float()))
         c_ref = float(cosine(o.float(), exact.float()))
         lse_k = lse.transpose(0, 1)  # the kernel writes (HQ, T)
         fin = torch.isfinite(emu_lse)
@@ -169,9 +190,10 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         lse_inf_ok = bool((torch.isinf(lse_k) == torch.isinf(emu_lse)).all())
         need_ref = expected_o_cosine(route.name) if route.quantized else 0.99999
         ok = nan == 0 and c_emu >= EMULATOR_COSINE and (kind == "outlier" or c_ref >= need_ref) and lse_err < 2e-3 \
-            and lse_inf_ok
+            and lse_inf_ok and flips_ok
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
-                   nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_rel_err=lse_err, lse_inf_ok=lse_inf_ok)
+                   nan=nan, cos_emulator=c_emu, cos_fp32=c_ref, lse_max_rel_err=lse_err, lse_inf_ok=lse_inf_ok,
+                   p_flip_rows=flip_rows)
         if probe and kind in ("gauss", "tiny_docs"):
             row.update(probe_kernel(fn, entry, route, q, k, v, cu))
             if route.exact:

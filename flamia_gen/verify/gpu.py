@@ -102,13 +102,14 @@ def render_bwd_table(rows: list[dict]) -> Table:
 
 def render_attn_table(rows: list[dict]) -> Table:
     t = Table(title="attention forward kernels vs emulator and fp32")
-    for c in ("variant", "input", "ok", "cos emu", "cos fp32", "lse err", "NaN", "probe", "detail"):
+    for c in ("variant", "input", "ok", "cos emu", "cos fp32", "lse err", "NaN", "P̂ flip rows", "probe", "detail"):
         t.add_column(c, overflow="fold")
     for r in rows:
         probe = "" if "probe_max_rel_change" not in r else f"{r['probe_max_rel_change']:.2e}"
         t.add_row(r["variant"], str(r.get("kind")), "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
                   f"{r.get('cos_emulator', float('nan')):.6f}", f"{r.get('cos_fp32', float('nan')):.6f}",
-                  f"{r.get('lse_max_rel_err', float('nan')):.1e}", str(r.get("nan", "")), probe,
+                  f"{r.get('lse_max_rel_err', float('nan')):.1e}", str(r.get("nan", "")), str(r.get("p_flip_rows", "")),
+                  probe,
                   str(r.get("error", ""))[:200])
     return t
 
