@@ -101,13 +101,12 @@ def quant_p(p: torch.Tensor, spec: OperandQuant) -> torch.Tensor:
 
 
 def flip_one_p(e: torch.Tensor, p_t: torch.Tensor, log2_carry: torch.Tensor, spec: OperandQuant,
-               rel: float) -> torch.Tensor:
+               rel) -> torch.Tensor:
     """P̂ with, in each row, the one code the kernel may legitimately round the other way: of the
-    values e (before rounding) within a relative `rel` of a rounding midpoint (e·(1 ± rel) round to
-    a different code), the one of largest final weight p_t·2^log2_carry. The emulator's FP8 MMA
-    model places scores to ~5e-5 relative, not bit for bit (a 2026-12-04 dump: P̂·2^8 = 184.0088 against
-    the midpoint 184 of the codes 176 | 192), so a P̂ that close to a midpoint is the kernel's either way;
-    on a short row that one code moves O by 1e-5 in cosine (verify.attn_gpu `flip_aware_emulator`)."""
+    values e (before rounding) within relative `rel` (a float or a tensor like e) of a rounding
+    midpoint (e·(1 ± rel) round to a different code), the one of largest final weight
+    p_t·2^log2_carry. The emulator's FP8 MMA model places scores to ~5e-5 of their size, not bit for
+    bit, so a P̂ that close to a midpoint is the kernel's either way (verify.attn_gpu `P_FLIP_SCORE_REL`)."""
     up, dn = quant_p(e * (1.0 + rel), spec), quant_p(e * (1.0 - rel), spec)
     alt = torch.where(up != p_t, up, torch.where(dn != p_t, dn, p_t))
     w = torch.where((alt != p_t) & torch.isfinite(e), p_t * torch.exp2(log2_carry), torch.full_like(p_t, -1.0))
@@ -468,7 +467,8 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
     rescale is an fp32 multiply); the denominator l = Σ exp2(x − max x) is fp32, unquantized. A quantized P̂
     is rounded under the kernel's running max m_t of the tiles visited so far and carried to
     the final m exactly (× 2^(m_t − m)): the same value unless it is subnormal under m.
-    p_flip_rel > 0: also return O with one P̂ per row rounded the other way (`flip_one_p`): a third result."""
+    p_flip_rel > 0 (the relative error of a score the kernel may have against the model): also return O
+    with one P̂ per row rounded the other way where that error allows it (`flip_one_p`): a third result."""
     x = scores_log2(plan, qr, kd, kt, g)
     ev = _pick(g.diag if vt is not None else None, vd.exp[:, None, :], vt.exp[:, None, :] if vt else None)
     y = torch.where(g.visible, x + ev, torch.full_like(x, float("-inf")))
@@ -513,7 +513,11 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
     lse = torch.where(empty, float("inf"), (mx + torch.log2(l)) * LN2)
     if p_flip_rel <= 0.0:
         return o, lse
-    o_flip = o if p_t is None or poly is not None else output(flip_one_p(e, p_t, mt - m[..., None], pq, p_flip_rel))
+    if p_t is None or poly is not None:
+        return o, lse, o
+    # a score off by p_flip_rel of its size moves exp2 of it by ln 2 · p_flip_rel · |x| relative
+    rel = torch.where(torch.isfinite(x), LN2 * p_flip_rel * (x.abs() + 1.0), torch.zeros_like(x))
+    o_flip = output(flip_one_p(e, p_t, mt - m[..., None], pq, rel))
     return o, lse, o_flip
 
 
@@ -524,7 +528,8 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
     the sm90 FP8 forward, whose Vᵀ TMA needs 16-byte-aligned key coordinates). `mma`: the
     tensor-core accumulation model of the products (numerics.mma; "sm90_fp8" is slow, for
     checking a Hopper kernel). `p_flip_rel` > 0: a third result, O with one P̂ per row rounded the
-    other way where the kernel may round it so (`flip_one_p`; verification only)."""
+    other way where a score error of that relative size lets the kernel round it so (`flip_one_p`;
+    verification only)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma)
     f = prepare_forward(plan, q, k, v, cu_seqlens)

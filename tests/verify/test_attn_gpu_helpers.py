@@ -66,6 +66,11 @@ def test_flip_one_p_flips_the_heaviest_near_midpoint_code_of_each_row():
     assert alt[0, 2, 0] * 256 == 176 and alt[0, 2, 1] * 256 == 64  # one code per row: the heavier
     # a window too narrow for 4.8e-5 flips nothing; the carry (a running reference) sets the weights
     assert torch.equal(flip_one_p(e, p_t, torch.zeros_like(e), spec, 2.0 ** -16), p_t)
+    # a window per value (the verifier's scales with the score): wide enough at the 62.003 only
+    rel = torch.full_like(e, 2.0 ** -16)
+    rel[0, 2, 1] = 2.0 ** -12
+    alt = flip_one_p(e, p_t, torch.zeros_like(e), spec, rel)
+    assert alt[0, 2, 0] * 256 == 192 and alt[0, 2, 1] * 256 == 60 and torch.equal(alt[0, :2], p_t[0, :2])
     carry = torch.tensor([[[-4.0, 0.0, 0.0, 0.0]] * 3])  # the 184 code was rounded under a lower max
     assert flip_one_p(e, p_t, carry, spec, 2.0 ** -12)[0, 2, 1] * 256 == 60
 
