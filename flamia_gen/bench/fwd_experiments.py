@@ -135,11 +135,6 @@ EXPERIMENTS: dict[str, dict] = {
                  when=lambda p: _e4m3_qk(p) and not _uniform_kv_applies(p) and not p.get("diag_k")
                  and not p.get("diag_v"),
                  note="per-key scale codes prefetched a tile ahead by the producer (fp8_token, mxfp8)"),
-    # round 25 (2026-12-04, twenty-third session): the unit boundary (the next unit claimed a unit ahead and handed
-    # over decoded; Q in 2 stages so the next unit's Q loads during this one)
-    "upf": dict(over={"fwd_unit_prefetch": True},
-                when=lambda p: p.get("scheduler", "longest_first") != "static" and p.get("fwd_dynamic", True),
-                note="the next unit claimed one ahead, handed over decoded; Q double-buffered"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, diagnostic=True,
