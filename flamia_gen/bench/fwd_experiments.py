@@ -135,6 +135,10 @@ EXPERIMENTS: dict[str, dict] = {
                  when=lambda p: _e4m3_qk(p) and not _uniform_kv_applies(p) and not p.get("diag_k")
                  and not p.get("diag_v"),
                  note="per-key scale codes prefetched a tile ahead by the producer (fp8_token, mxfp8)"),
+    # round 25 (built, not yet run): causal query tiles end at the document's end (the partial tile first)
+    "qend": dict(over={"fwd_q_align_end": True},
+                 when=lambda p: p["causal"] and not p.get("diag_k") and not p.get("diag_v"),
+                 note="query tiles aligned to the document's end: the partial tile first, where it sees 1 key tile"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, diagnostic=True,

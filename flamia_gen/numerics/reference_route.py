@@ -207,6 +207,7 @@ class Plan:
     p_exact: bool = False  # route p_reference exact: P̂ under the running fp32 max, not its integer ceil
     fwd_tile_m: int = 0  # the forward kernel's tiles, whose diagonal decisions the backward repeats
     fwd_tile_n: int = 0  # (0: tile_m / tile_n; they differ when tile_m, tile_n are a backward kernel's)
+    q_align_end: bool = False  # causal forward: query tiles end at the document's end (the partial tile first)
 
     @property
     def fwd_tiles(self) -> tuple[int, int]:
@@ -230,7 +231,7 @@ def _fp8_format(spec: OperandQuant) -> bool:
 
 def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
               key_align: int = 1, mma: str = "exact", *, fwd_tile_m: int | None = None,
-              fwd_tile_n: int | None = None) -> Plan:
+              fwd_tile_n: int | None = None, q_align_end: bool = False) -> Plan:
     for name, tm, tn in (("tile", tile_m, tile_n),
                          ("fwd_tile", tile_m if fwd_tile_m is None else fwd_tile_m,
                           tile_n if fwd_tile_n is None else fwd_tile_n)):
@@ -245,6 +246,9 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
     fp8_mma = check_model(mma) == "sm90_fp8"
     sg = route.forward_safeguards(causal)
     per_key_v = sg.per_key_v
+    if q_align_end and causal and (sg.per_key_k or per_key_v):
+        raise ValueError(f"q_align_end: route {route.name!r} takes per-key operands on diagonal tiles, which the "
+                         "backward repeats on query tiles from the document start; not with end-aligned tiles")
     return Plan(
         route=route, causal=causal, tile_m=tile_m, tile_n=tile_n, scale=scale,
         per_key_k=sg.per_key_k,
@@ -261,7 +265,13 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)),
         exp_poly_quarters=poly_quarters(route.exp_approx.value),
         scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact,
-        fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0)
+        fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0, q_align_end=bool(q_align_end and causal))
+
+
+def q_shift(plan: Plan, length: int) -> int:
+    """Rows before a document's first that its first query tile covers: with `q_align_end` (causal) the tiles
+    end at the document's end, so the partial tile comes first, where it sees the fewest keys; else 0."""
+    return (-length) % plan.tile_m if plan.q_align_end else 0
 
 
 @dataclass(frozen=True)
@@ -396,10 +406,12 @@ def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_t
     nblk−1 … n_mask (tiles needing a mask, diagonal first), then tile 0 when it opens with
     `delta` keys of the previous document, then n_mask−1 … n_lo."""
     tm, tn = plan.tile_m, plan.tile_n
-    mblk = (rows // tm)[:, None]
-    last = torch.clamp((mblk + 1) * tm, max=length) if plan.causal else torch.full_like(mblk, length)
+    sh = q_shift(plan, length)
+    mblk = ((rows + sh) // tm)[:, None]
+    row0 = mblk * tm - sh  # the query tile's first row (negative: rows before the document, q_align_end)
+    last = torch.clamp(row0 + tm, max=length) if plan.causal else torch.full_like(mblk, length)
     nblk = (last + delta + tn - 1) // tn
-    n_mask = torch.minimum((mblk * tm + delta) // tn, nblk - 1) if plan.causal else nblk - 1
+    n_mask = torch.minimum(torch.clamp((row0 + delta) // tn, min=0), nblk - 1) if plan.causal else nblk - 1
     n_lo = torch.clamp(n_mask, max=min(delta, 1))
     t = torch.arange(n_tiles, device=rows.device)[None, :]
     rank = torch.where(t >= n_mask, nblk - 1 - t,
@@ -425,12 +437,13 @@ def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: in
     return (run if plan.p_exact else torch.ceil(run)), key_tile, order
 
 
-def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_diag=None, diag=None):
+def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_diag=None, diag=None, off: int = 0):
     """Σ P̂·V (codes) as the kernel accumulates it: per query tile, key tiles in visit order,
     the accumulator rescaled by 2^(m_old − m_new) (exact) before each tile's FP8 wgmma, k-blocks
     of 32 keys under the sm90_fp8 model. Returns the sum under each row's final reference.
     `v_codes_diag`, `diag` (M, N): per-key V codes on the diagonal tiles (one pattern per query
-    tile: the kernel loads the per-token Vᵀ copy for a whole key tile)."""
+    tile: the kernel loads the per-token Vᵀ copy for a whole key tile). `off`: how far into its query tile the
+    chunk's first row lies (q_align_end shifts the tiles; the chunk itself starts on a multiple of tile_m)."""
     H, M, N = p_codes.shape
     tm, tn = plan.tile_m, plan.tile_n
     n_tiles = run.shape[-1]
@@ -441,9 +454,9 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_
         Vd = torch.nn.functional.pad(v_codes_diag, pad)
         Dg = torch.nn.functional.pad(diag, (delta, n_tiles * tn - N - delta))
     out = torch.zeros(H, M, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
-    for r0 in range(0, M, tm):
+    starts = [0, *range(tm - off if off else tm, M, tm)]
+    for r0, r1 in zip(starts, [*starts[1:], M]):
         Vr = V if v_codes_diag is None else torch.where(Dg[r0][None, :, None], Vd, V)
-        r1 = min(M, r0 + tm)
         acc = torch.zeros(H, r1 - r0, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
         m_old = torch.full((H, r1 - r0), float("-inf"), device=p_codes.device)
         for t in order[r0].tolist():  # one visit order per query tile
@@ -502,7 +515,8 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
             p_scale = float(2.0 ** pq.static_exponent)
             split = vt is not None and g.diag is not None
             acc = _pv_in_visit_order(plan, p_t * p_scale, vd.codes, run, order, delta,
-                                     vt.codes if split else None, g.diag if split else None) / p_scale
+                                     vt.codes if split else None, g.diag if split else None,
+                                     (a + q_shift(plan, length)) % plan.tile_m) / p_scale
         else:  # P̂ carried from its running reference to the final m (exact powers of two)
             p_hat = torch.exp2(y - m[..., None]) if p_t is None else p_t * torch.exp2(mt - m[..., None])
             acc = _split_matmul(p_hat, vd.codes, vt.codes if vt else None, g.diag if vt else None)
@@ -522,16 +536,18 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
 
 
 def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None,
-                  key_align=1, mma="exact", p_flip_rel: float = 0.0):
+                  key_align=1, mma="exact", p_flip_rel: float = 0.0, q_align_end: bool = False):
     """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log). `key_align`: the
     kernel's key tiles start at the document start rounded down to a multiple of it (16 for
     the sm90 FP8 forward, whose Vᵀ TMA needs 16-byte-aligned key coordinates). `mma`: the
     tensor-core accumulation model of the products (numerics.mma; "sm90_fp8" is slow, for
     checking a Hopper kernel). `p_flip_rel` > 0: a third result, O with one P̂ per row rounded the
     other way where a score error of that relative size lets the kernel round it so (`flip_one_p`;
-    verification only)."""
+    verification only). `q_align_end`: the kernel's causal query tiles end at each document's end
+    (`fwd_q_align_end`: the partial tile first), which sets their key-tile visit order."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
-    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma)
+    plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma,
+                     q_align_end=q_align_end)
     f = prepare_forward(plan, q, k, v, cu_seqlens)
     heads = torch.arange(Hq, device=q.device) // group
     qheads = torch.arange(Hq, device=q.device)
