@@ -39,8 +39,8 @@ EMULATOR_COSINE = 0.99999
 # outlier input, a row whose one key carries P = 1, 136.17 at the midpoint 136, ≥ 1.8e-3 in log2 of a
 # score of ≈ 54: every E4M3 forward missed the bound there, 0.999974–0.999975). So each row may match the
 # emulator with its heaviest such P̂ rounded the other way instead (`flip_aware_emulator`; the window
-# P_FLIP_SCORE_REL of the score, 3.6× the least error that explains the outlier row); rows doing so are counted, more than
-# FLIP_ROWS_MAX of all rows fails.
+# P_FLIP_SCORE_REL of the score, 3.6× the least error that explains the outlier row); rows doing so
+# are counted, more than FLIP_ROWS_MAX of all rows fails.
 P_FLIP_SCORE_REL = 2.0 ** -13
 FLIP_ROWS_MAX = 0.05
 FP32_COSINE_8BIT = 0.998  # = verify.cpu's default floor; nvfp4_mixed has its own there (0.99)
