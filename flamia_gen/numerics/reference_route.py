@@ -437,6 +437,12 @@ def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: in
     return (run if plan.p_exact else torch.ceil(run)), key_tile, order
 
 
+def query_tile_spans(M: int, tm: int, off: int = 0) -> list[tuple[int, int]]:
+    """[r0, r1) of the query tiles over a chunk of M rows whose first row lies `off` rows into its tile."""
+    starts = [0, *range(tm - off if off else tm, M, tm)]
+    return list(zip(starts, [*starts[1:], M]))
+
+
 def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_diag=None, diag=None, off: int = 0):
     """Σ P̂·V (codes) as the kernel accumulates it: per query tile, key tiles in visit order,
     the accumulator rescaled by 2^(m_old − m_new) (exact) before each tile's FP8 wgmma, k-blocks
@@ -454,8 +460,7 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_
         Vd = torch.nn.functional.pad(v_codes_diag, pad)
         Dg = torch.nn.functional.pad(diag, (delta, n_tiles * tn - N - delta))
     out = torch.zeros(H, M, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
-    starts = [0, *range(tm - off if off else tm, M, tm)]
-    for r0, r1 in zip(starts, [*starts[1:], M]):
+    for r0, r1 in query_tile_spans(M, tm, off):
         Vr = V if v_codes_diag is None else torch.where(Dg[r0][None, :, None], Vd, V)
         acc = torch.zeros(H, r1 - r0, v_codes.shape[-1], dtype=torch.float32, device=p_codes.device)
         m_old = torch.full((H, r1 - r0), float("-inf"), device=p_codes.device)

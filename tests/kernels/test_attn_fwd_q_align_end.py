@@ -127,3 +127,35 @@ def test_flag_refuses_what_it_cannot_serve():
     # off by default: the default render has no end-aligned tiling
     assert "def q_shift(" not in _render_with(QEND[0]) and "def q_shift(" in _render_with(QEND[0],
                                                                                              fwd_q_align_end=True)
+
+
+def test_emulator_groups_rows_by_their_shifted_query_tile():
+    """The FP8 PV model accumulates one query tile at a time in one visit order (`query_tile_spans`): with
+    end-aligned tiles every span must hold rows of one tile only, so one order serves all its rows."""
+    from flamia_gen.numerics.reference_route import make_plan as emu_plan, query_tile_spans, q_shift, tile_visit_rank
+
+    plan = emu_plan(get_route("fp8_token"), True, 64, 32, 1.0, key_align=16, q_align_end=True)
+    for L in (1, 63, 64, 65, 200, 300):
+        sh = q_shift(plan, L)
+        for a, b in ((0, L), (0, min(L, 128)), (128, L)):
+            if a >= b:
+                continue
+            rows = torch.arange(a, b)
+            order = tile_visit_rank(plan, rows, L, 0, (L + 31) // 32)
+            spans = query_tile_spans(b - a, 64, (a + sh) % 64)
+            assert spans[0][0] == 0 and spans[-1][1] == b - a
+            for r0, r1 in spans:
+                tiles = {(a + r + sh) // 64 for r in range(r0, r1)}
+                assert len(tiles) == 1, (L, a, r0, r1)
+                assert (order[r0:r1] == order[r0]).all()
+    # and the FP8 model's O barely depends on the tiling (subnormal roundings under another running max only)
+    from flamia_gen.numerics.reference_route import route_forward
+
+    g = torch.Generator().manual_seed(9)
+    cu = torch.tensor([0, 37, 237], dtype=torch.int32)
+    q, k, v = (torch.randn(237, 2, 64, generator=g).to(torch.bfloat16).float() for _ in range(3))
+    o0, l0 = route_forward(get_route("fp8_token"), q, k, v, cu, tile_m=64, tile_n=32, key_align=16, mma="sm90_fp8")
+    o1, l1 = route_forward(get_route("fp8_token"), q, k, v, cu, tile_m=64, tile_n=32, key_align=16, mma="sm90_fp8",
+                           q_align_end=True)
+    assert torch.equal(l0, l1)
+    assert float((o0 - o1).abs().max()) < 1e-3 * float(o0.abs().max())
