@@ -902,7 +902,7 @@ def test_noex2_diagnostic_drops_pass_2s_ex2_only_in_its_copies(route):
 
     from flamia_gen.bench.fwd_experiments import DEFAULT_EXPERIMENTS
 
-    assert "noex2" not in DEFAULT_EXPERIMENTS and "kpre" in DEFAULT_EXPERIMENTS  # a diagnostic only when asked for
+    assert "noex2" not in DEFAULT_EXPERIMENTS and "qend" in DEFAULT_EXPERIMENTS  # a diagnostic only when asked for
     pairs = experiment_variants(("noex2",), route=route)
     base = {v.name: v for t, v in pairs if not t}
     copies = [v for t, v in pairs if t == "noex2"]
@@ -912,49 +912,3 @@ def test_noex2_diagnostic_drops_pass_2s_ex2_only_in_its_copies(route):
         assert "e = ex2(" in ref and "e = ex2(" not in src
         assert "# diag_no_ex2: no MUFU" in src and "diag_no_ex2" not in ref
         assert "scale_o[rh] = ex2(" in src
-
-
-@pytest.mark.parametrize("route", ["fp8_token", "mxfp8"])
-def test_factor_prefetch_copies_load_each_tile_once_in_key_tiling_order(route):
-    """`kpre` (fwd_factor_prefetch, built 2026-12-04, not yet run): the producer loads tile n's scale codes after tile
-    n−1's K TMA instead of before tile n's stage wait. Its `key_tile_at` gives the default loop's order for every
-    step, each tile's codes are loaded exactly once per unit, and load_k itself issues no global load."""
-    from flamia_gen.bench.fwd_experiments import experiment_variants
-
-    copies = [v for t, v in experiment_variants(("kpre",), route=route) if t == "kpre"]
-    assert copies
-    v = copies[0]
-    src = render_variant(v)
-    assert _literals(src)["PARAMS"]["fwd_factor_prefetch"] is True
-    tree = ast.parse(src)
-    fn = next(n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body
-              if isinstance(n, ast.FunctionDef) and n.name == "key_tile_at")
-    fn.decorator_list = []
-    ns = {"Int32": int}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "key_tile_at", "exec"), ns)
-    key_tile_at = lambda *a: ns["key_tile_at"](None, *a)  # noqa: E731
-
-    def default_order(nblk, n_mask, n_lo):  # the default producer loop, as rendered without the flag
-        out = [nblk - 1]
-        for i in range(nblk - 1):
-            n = nblk - 2 - i
-            if i + 1 >= nblk - n_mask:
-                n = n + n_lo
-                if n_lo > 0 and i + 1 == nblk - n_mask:
-                    n = 0
-            out.append(n)
-        return out
-
-    for nblk in range(1, 12):
-        for n_mask in range(0, nblk + 1):
-            for n_lo in (0, 1):
-                if n_lo and n_mask == 0:
-                    continue
-                want = default_order(nblk, n_mask, n_lo)
-                got = [nblk - 1] + [key_tile_at(i, nblk, n_mask, n_lo) for i in range(nblk - 1)]
-                assert got == want, (nblk, n_mask, n_lo)
-    load_k = src[src.index("def load_k("):src.index("def load_codes(")]
-    assert "mKs[tok, hkv]" not in load_k and "self.load_codes(" in load_k and "if n_next >= 0:" in load_k
-    assert load_k.index("cute.copy(tma_atom_k") < load_k.index("self.load_codes(")
-    ref = render_variant(next(b for t, b in experiment_variants(("kpre",), route=route) if not t and b.name == v.name[:-6]))
-    assert "def load_codes(" not in ref and "fwd_factor_prefetch" not in ref
