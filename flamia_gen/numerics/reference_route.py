@@ -399,13 +399,19 @@ def scores_log2(plan: Plan, qr: Rep, kd: Rep, kt: Rep | None, g: Geometry, visib
 # ---- forward
 
 
-def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_tiles: int) -> torch.Tensor:
+def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_tiles: int,
+                    window: bool = False) -> torch.Tensor:
     """(M, n_tiles) int64: the order in which the forward kernel visits key tiles for each query
     row (rank 0 first; tiles it never visits rank last). Key tile t holds doc-local keys
     t·tile_n − delta + [0, tile_n). Order (templates/sm90/attn_fwd.py.j2 `key_tiling`):
     nblk−1 … n_mask (tiles needing a mask, diagonal first), then tile 0 when it opens with
-    `delta` keys of the previous document, then n_mask−1 … n_lo."""
+    `delta` keys of the previous document, then n_mask−1 … n_lo. `window`: the document runs inside a
+    window of short documents (runtime.attn_fwd.merge_windows), whose tiles are all masked: the last
+    tile first, then descending (tiles past a row's keys hold none of them and change nothing)."""
     tm, tn = plan.tile_m, plan.tile_n
+    if window:
+        t = torch.arange(n_tiles, device=rows.device)[None, :].expand(rows.numel(), n_tiles)
+        return n_tiles - 1 - t
     sh = q_shift(plan, length)
     mblk = ((rows + sh) // tm)[:, None]
     row0 = mblk * tm - sh  # the query tile's first row (negative: rows before the document, q_align_end)
@@ -419,7 +425,7 @@ def tile_visit_rank(plan: Plan, rows: torch.Tensor, length: int, delta: int, n_t
     return torch.where(t >= nblk, n_tiles + t, rank)
 
 
-def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: int):
+def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: int, window: bool = False):
     """The kernel's reference per (row, key tile): ceil(max of y over the tiles visited up to and
     including that tile) — the max itself under p_reference exact —, -inf before the first visible
     key (y is -inf there too).
@@ -430,7 +436,7 @@ def running_tile_max(plan: Plan, y: torch.Tensor, a: int, length: int, delta: in
     tiles = torch.nn.functional.pad(y, (delta, n_tiles * tn - N - delta), value=float("-inf"))
     tile_max = tiles.view(H, M, n_tiles, tn).amax(dim=-1)
     rows = torch.arange(a, a + M, device=y.device)
-    order = tile_visit_rank(plan, rows, length, delta, n_tiles).argsort(dim=1)
+    order = tile_visit_rank(plan, rows, length, delta, n_tiles, window).argsort(dim=1)
     ordh = order[None].expand(H, M, n_tiles)
     run = torch.empty_like(tile_max).scatter_(2, ordh, tile_max.gather(2, ordh).cummax(dim=2).values)
     key_tile = (torch.arange(N, device=y.device) + delta) // tn
@@ -478,7 +484,7 @@ def _pv_in_visit_order(plan: Plan, p_codes, v_codes, run, order, delta, v_codes_
 
 
 def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0, length: int = 0, delta: int = 0,
-                   p_flip_rel: float = 0.0):
+                   p_flip_rel: float = 0.0, window: bool = False):
     """O and LSE of one query chunk. P̂ = q(exp2(x + e_v − m)), m = ceil(max visible x + e_v):
     V's scale folds into P̂ (per key), m is an integer so a kernel's running max rescales by a
     power of two (p_reference exact: m = max visible x + e_v, the dominant P̂ is exactly 2^static and a
@@ -499,7 +505,7 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
     if plan.exp_poly_quarters:
         poly = poly_columns(y.shape[-1], delta, plan.tile_n, plan.exp_poly_quarters, y.device)
     if pq.quantized or poly is not None:
-        run, key_tile, order = running_tile_max(plan, y, a, length, delta)
+        run, key_tile, order = running_tile_max(plan, y, a, length, delta, window)
         mt = run[:, :, key_tile]
         mt = torch.where(torch.isinf(mt), m[..., None].expand_as(mt), mt)
         e = torch.exp2(y - mt)  # exp2 under the running reference, as the kernel evaluates it
@@ -541,7 +547,8 @@ def _forward_chunk(plan: Plan, qr: Rep, kd, kt, vd, vt, g: Geometry, a: int = 0,
 
 
 def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128, tile_n=128, scale=None,
-                  key_align=1, mma="exact", p_flip_rel: float = 0.0, q_align_end: bool = False):
+                  key_align=1, mma="exact", p_flip_rel: float = 0.0, q_align_end: bool = False,
+                  windows: bool = False):
     """Emulated forward: (O (T, Hq, D) fp32, LSE (T, Hq) fp32, natural log). `key_align`: the
     kernel's key tiles start at the document start rounded down to a multiple of it (16 for
     the sm90 FP8 forward, whose Vᵀ TMA needs 16-byte-aligned key coordinates). `mma`: the
@@ -549,7 +556,10 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
     checking a Hopper kernel). `p_flip_rel` > 0: a third result, O with one P̂ per row rounded the
     other way where a score error of that relative size lets the kernel round it so (`flip_one_p`;
     verification only). `q_align_end`: the kernel's causal query tiles end at each document's end
-    (`fwd_q_align_end`: the partial tile first), which sets their key-tile visit order."""
+    (`fwd_q_align_end`: the partial tile first), which sets their key-tile visit order. `windows`: as the sm90
+    forward kernel, documents shorter than tile_m run inside windows (runtime.attn_fwd.merge_windows): their key
+    tiles start at the window's start (rounded down to key_align) and are visited last-first, which sets which
+    keys share a tile, and so P̂'s running reference and the P̂V k-blocks (at most 1e-4 of a row's O apart)."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), key_align=key_align, mma=mma,
                      q_align_end=q_align_end)
@@ -559,20 +569,38 @@ def route_forward(route: Route, q, k, v, cu_seqlens, causal=True, *, tile_m=128,
     o = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
     lse = torch.full((T, Hq), float("inf"), dtype=torch.float32, device=q.device)
     o_flip = torch.zeros_like(o) if p_flip_rel > 0.0 else None
+    win_start = window_starts(cu_seqlens, plan.tile_m, T) if windows else {}
     for s, e in doc_ranges(cu_seqlens):
         qd, kd, vd = f.qs.doc(s, e, qheads), f.ks.doc(s, e, heads), f.v.doc(s, e, heads)
         kt = f.ks_tok.doc(s, e, heads) if f.ks_tok else None
         vt = f.v_tok.doc(s, e, heads) if f.v_tok else None
+        ws = win_start.get(s)
+        delta = s % plan.key_align if ws is None else (s - (ws - ws % plan.key_align)) % plan.tile_n
         for a, b in query_chunks(e - s, chunk_rows(plan.chunk, Hq, e - s, plan.tile_m)):
             n = b if causal else e - s
-            g = geometry(plan, a, b, n, e - s, q.device, s % plan.key_align)
+            g = geometry(plan, a, b, n, e - s, q.device, delta)
             res = _forward_chunk(plan, _rows(qd, a, b), _cut(kd, n), _cut(kt, n), _cut(vd, n),
-                                 _cut(vt, n), g, a, e - s, s % plan.key_align, p_flip_rel)
+                                 _cut(vt, n), g, a, e - s, delta, p_flip_rel, ws is not None)
             o[s + a:s + b] = res[0].transpose(0, 1)
             lse[s + a:s + b] = res[1].transpose(0, 1)
             if o_flip is not None:
                 o_flip[s + a:s + b] = res[2].transpose(0, 1)
     return (o, lse) if o_flip is None else (o, lse, o_flip)
+
+
+def window_starts(cu_seqlens: torch.Tensor, tile_m: int, T: int) -> dict[int, int]:
+    """{document start: its window's start} for the documents the sm90 forward runs inside a window of two or
+    more short documents (runtime.attn_fwd.merge_windows with chunk tile_m, the kernel's own schedule)."""
+    from ..runtime.attn_fwd import merge_windows  # torch only; the schedule the kernel runs
+
+    w = merge_windows(cu_seqlens.cpu(), tile_m, T)
+    pcu, flag = w.cu.to(torch.int64), w.flag
+    out = {}
+    for s, e in doc_ranges(cu_seqlens):
+        i = int(torch.searchsorted(pcu, torch.tensor(s), right=True)) - 1
+        if flag[i]:
+            out[s] = int(pcu[i])
+    return out
 
 
 def _rows(r: Rep, a: int, b: int) -> Rep:

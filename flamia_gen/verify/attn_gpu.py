@@ -177,7 +177,7 @@ def verify_attn_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"),
         o, lse = run_kernel(fn, entry, route, q, k, v, cu)
         torch.cuda.synchronize()
         emu, emu_lse, emu_flip = route_forward(route, q, k, v, cu, causal, p_flip_rel=P_FLIP_SCORE_REL,
-                                               q_align_end=bool(params.get("fwd_q_align_end")),
+                                               q_align_end=bool(params.get("fwd_q_align_end")), windows=True,
                                                **emulator_options(params))
         exact = ref_attention(q, k, v, cu, causal=causal, route=None)
         nan = int(torch.isnan(o).sum())

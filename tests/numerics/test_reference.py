@@ -352,7 +352,7 @@ def test_tile_order_changes_subnormal_p_hat():
     cu = torch.tensor([0, 256], dtype=torch.int32)
     r = get_route("fp8_token")
     o_kernel_order = rr.route_forward(r, q, k, v, cu, True)[0]
-    final = lambda plan, y, a, length, delta: (  # noqa: E731  every tile under the final max
+    final = lambda plan, y, a, length, delta, window=False: (  # noqa: E731  every tile under the final max
         torch.ceil(y.amax(-1, keepdim=True)).expand(*y.shape[:2], (y.shape[-1] + delta + plan.tile_n - 1) // plan.tile_n),
         (torch.arange(y.shape[-1]) + delta) // plan.tile_n,
         torch.arange((y.shape[-1] + delta + plan.tile_n - 1) // plan.tile_n).expand(y.shape[1], -1))
