@@ -208,6 +208,7 @@ class Plan:
     fwd_tile_m: int = 0  # the forward kernel's tiles, whose diagonal decisions the backward repeats
     fwd_tile_n: int = 0  # (0: tile_m / tile_n; they differ when tile_m, tile_n are a backward kernel's)
     q_align_end: bool = False  # causal forward: query tiles end at the document's end (the partial tile first)
+    dq_bf16: bool = False  # backward dQ = dS·K̂ on the unquantized dS (the kernel's bwd_dq_bf16: BF16 wgmma)
 
     @property
     def fwd_tiles(self) -> tuple[int, int]:
@@ -231,7 +232,7 @@ def _fp8_format(spec: OperandQuant) -> bool:
 
 def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
               key_align: int = 1, mma: str = "exact", *, fwd_tile_m: int | None = None,
-              fwd_tile_n: int | None = None, q_align_end: bool = False) -> Plan:
+              fwd_tile_n: int | None = None, q_align_end: bool = False, dq_bf16: bool = False) -> Plan:
     for name, tm, tn in (("tile", tile_m, tile_n),
                          ("fwd_tile", tile_m if fwd_tile_m is None else fwd_tile_m,
                           tile_n if fwd_tile_n is None else fwd_tile_n)):
@@ -246,6 +247,8 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
     fp8_mma = check_model(mma) == "sm90_fp8"
     sg = route.forward_safeguards(causal)
     per_key_v = sg.per_key_v
+    if dq_bf16 and not (_fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k))):
+        raise ValueError(f"dq_bf16: route {route.name!r} has no FP8 dS·K product to take in BF16")
     if q_align_end and causal and (sg.per_key_k or per_key_v):
         raise ValueError(f"q_align_end: route {route.name!r} takes per-key operands on diagonal tiles, which the "
                          "backward repeats on query tiles from the document start; not with end-aligned tiles")
@@ -262,10 +265,11 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         mma_dp=fp8_mma and _fp8_codes(ops.do) and _fp8_codes(ops.v),
         mma_dv=fp8_mma and _fp8_format(ops.p) and _fp8_codes(ops.do),
         mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)),
-        mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)),
+        mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)) and not dq_bf16,
         exp_poly_quarters=poly_quarters(route.exp_approx.value),
         scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact,
-        fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0, q_align_end=bool(q_align_end and causal))
+        fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0, q_align_end=bool(q_align_end and causal),
+        dq_bf16=bool(dq_bf16))
 
 
 def q_shift(plan: Plan, length: int) -> int:
@@ -678,8 +682,10 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
-                   scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None):
-    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `tile_m`, `tile_n`, `key_align`: the
+                   scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False):
+    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `dq_bf16` (the backward kernel's experiment flag
+    `bwd_dq_bf16`): dQ = dS·K̂ takes dS unquantized (fp32 here; the kernel's BF16 wgmma rounds it to BF16) with K̂ =
+    K codes·2^ek, so no dQ scale group exists; dK, dV unchanged. `tile_m`, `tile_n`, `key_align`: the
     backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
     `tile_n`): the *forward's* tiles, whose diagonal decisions the backward repeats (its key tiles
     start at doc_start − δ as well, δ = doc_start mod key_align). `mma="sm90_fp8"`: every product
@@ -688,7 +694,7 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
     `key_align` (sm90 FP8: 64, 128, 16). Routes without FP8 products (bf16) give the exact result."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align,
-                     fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n)
+                     fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n, dq_bf16=dq_bf16)
     model = plan.mma_dv or plan.mma_dk or plan.mma_dq
     if model and plan.per_key_k and plan.fwd_tiles[1] != tile_n:
         # the model takes the K copy of dS·K per (row, key tile): one choice per tile only when the tiles agree
@@ -739,7 +745,7 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
             if amax_only:
                 amax = torch.maximum(amax, torch.stack([ds_q.abs().amax(), ds_k.abs().amax()]))
                 continue
-            dsq_hat = quant_ds(plan, ds_q, True, None if tensor_amax is None else tensor_amax[0])
+            dsq_hat = ds_q if plan.dq_bf16 else quant_ds(plan, ds_q, True, None if tensor_amax is None else tensor_amax[0])
             dsk_hat = quant_ds(plan, ds_k, False, None if tensor_amax is None else tensor_amax[1])
             dq_c = _split_matmul(dsq_hat, kq.codes[:, :n], kqt.codes[:, :n] if kqt else None,
                                  g.diag if kqt else None)
@@ -947,7 +953,11 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
 
                     # dQ partials of the visiting key tiles: per (row, key tile) exponent e, fp32 sum over tiles
                     e_r = eq[:, r, :kn].view(Hkv, tm, nh, tn).amax(dim=-1)  # (H, tm, nh)
-                    a_dq = _round_codes(yq[:, r, :kn].view(Hkv, tm, nh, tn) * _pow2i(-e_r)[..., None], ops.ds)
+                    if plan.dq_bf16:  # dS unquantized (fp32 here), K codes: exact sums, no scale group
+                        e_r = torch.zeros_like(e_r)
+                        a_dq = yq[:, r, :kn].view(Hkv, tm, nh, tn)
+                    else:
+                        a_dq = _round_codes(yq[:, r, :kn].view(Hkv, tm, nh, tn) * _pow2i(-e_r)[..., None], ops.ds)
                     a_dq = a_dq.permute(0, 2, 1, 3).contiguous()  # (H, nh, rows, keys)
                     part = _mm(plan.mma_dq, a_dq, k_c[:, :kn].view(Hkv, nh, tn, D))
                     if kt_c is not None:  # K per key on diagonal tiles (k_fold): the row's tile decides
