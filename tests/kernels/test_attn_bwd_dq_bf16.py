@@ -1,0 +1,117 @@
+"""dQ on BF16 dS in the backward (flag `bwd_dq_bf16`, experiment, off; templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md
+"dQ on BF16 dS"). fp8_token's tile takes dQ = dS·K̂ as a BF16 wgmma on the unquantized dS and a BF16 K̂ = K codes·2^ek
+the consumers write once per unit, so the tile has no dQ scale group: no dQ amax exchange, its shared-memory atomics or
+its barrier. The emulator follows (`route_backward(dq_bf16=True)`); dK and dV do not change. CPU: renders, refusals,
+the experiment tag and the emulator; `-m compile` cross-compiles. H200 (2026-12-04): verify ok, dK, dV bitwise equal
+to the default, fp8_token D = 128 causal 4×4096 / 1×16384 / skewed 0.953 / 0.932 / 0.987× the default's time."""
+
+from __future__ import annotations
+
+import ast
+
+import jinja2
+import pytest
+import torch
+
+from flamia_gen.numerics.metrics import cosine
+from flamia_gen.numerics.reference import attention_backward
+from flamia_gen.numerics.reference_route import route_backward, route_forward
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.spec import get_route, load_specs
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+TILE = [v for v in BWD if v.route == "fp8_token" and not dict(v.params).get("deterministic")]
+
+
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _params(src: str) -> dict:
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
+    return ast.literal_eval(node.value)
+
+
+def test_off_by_default():
+    for v in BWD:
+        src = render_variant(v)
+        assert "bwd_dq_bf16" not in _params(src) and "def k_to_bf16(" not in src, v.name
+
+
+@pytest.mark.parametrize("v", TILE, ids=lambda v: v.name)
+def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
+    on, off = _render(v, bwd_dq_bf16=True), render_variant(v)
+    assert _params(on)["bwd_dq_bf16"] is True
+    for s, want in ((on, True), (off, False)):
+        assert ("def k_to_bf16(" in s) is want
+        assert ("sK16: cute.struct.Align[cute.struct.MemRange[BFloat16" in s) is want
+        # the dQ amax reduce-scatter's atomic, and the re-zeroing of its buffer
+        assert ("ds_key(am[0])" in s) is not want
+        assert ("sAmax[buf * m + tidx] = Uint32(0)" in s) is not want
+    ast.parse(on)
+    # one 256-thread barrier per tile fewer (the dQ amax one): count the consumer barriers in one_tile
+    tile = lambda s: s[s.index("    def one_tile("):s.index("    def ", s.index("    def one_tile(") + 10)]  # noqa: E731
+    n_on = tile(on).count("cute.arch.barrier(barrier_id=1,")
+    n_off = tile(off).count("cute.arch.barrier(barrier_id=1,")
+    assert n_on == n_off - 1, (n_on, n_off)  # the masked and interior copies share one text
+
+
+@pytest.mark.parametrize("v", [x for x in BWD if x.route != "fp8_token" or dict(x.params).get("deterministic")][:12],
+                         ids=lambda v: v.name)
+def test_flag_refused_outside_the_plain_fp8_token_tile(v):
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_bf16"):
+        _render(v, bwd_dq_bf16=True)
+
+
+def test_experiment_tag_applies_to_the_fp8_token_tile_only():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "bf16"))
+    tagged = [v for t, v in experiment_variants(("dq16",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dq16"]
+    assert tagged and all(v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is True
+                          and not dict(v.params).get("deterministic") for v in tagged)
+
+
+def _case(seed=0, causal=True):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 150, 190, 400], dtype=torch.int32)
+    q, k, v, do = (torch.randn(400, h, 64, generator=g).to(torch.bfloat16) for h in (2, 1, 1, 2))
+    r = get_route("fp8_token")
+    o, lse = route_forward(r, q, k, v, cu, causal, tile_m=64, tile_n=64, key_align=16)
+    return r, q, k, v, o, lse, do, cu
+
+
+@pytest.mark.parametrize("mma", ["exact", "sm90_fp8"])
+def test_emulator_dq_bf16_changes_dq_only_and_moves_it_towards_fp32(mma):
+    r, q, k, v, o, lse, do, cu = _case()
+    kw = dict(tile_m=64, tile_n=64, key_align=16, mma=mma)
+    dq0, dk0, dv0 = route_backward(r, q, k, v, o, lse, do, cu, True, **kw)
+    dq1, dk1, dv1 = route_backward(r, q, k, v, o, lse, do, cu, True, dq_bf16=True, **kw)
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    assert not torch.equal(dq0, dq1) and torch.isfinite(dq1).all()
+    ref = attention_backward(q, k, v, o, lse, do, cu, True, None)[0]
+    assert float(cosine(dq1, ref)) > float(cosine(dq0, ref))
+    # the unquantized dS: dQ(dq_bf16) under either product model is the same fp32 product of dS and K̂
+    if mma == "sm90_fp8":
+        dq_exact = route_backward(r, q, k, v, o, lse, do, cu, True, tile_m=64, tile_n=64, key_align=16,
+                                  dq_bf16=True)[0]
+        assert float(cosine(dq1, dq_exact)) > 0.99999
+
+
+def test_emulator_refuses_dq_bf16_without_an_fp8_ds_k_product():
+    r, q, k, v, o, lse, do, cu = _case()
+    with pytest.raises(ValueError, match="dq_bf16"):
+        route_backward(get_route("bf16"), q, k, v, o, lse, do, cu, True, dq_bf16=True)
+
+
+@pytest.mark.compile
+def test_compile_dq_bf16(compile_sm90):
+    """Cross-compiles for sm_90a: no shared-memory max atomics (the dQ amax), BF16 wgmmas for dQ."""
+    v = next(x for x in TILE if x.param("head_dim") == 128 and x.param("causal"))
+    ptx = compile_sm90(v, source=_render(v, bwd_dq_bf16=True))
+    assert "atom.shared.max" not in ptx and "red.shared.max" not in ptx
+    assert ".bf16.bf16" in ptx
