@@ -199,9 +199,9 @@ def test_bwd_experiments_variants_names_and_support():
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
     # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
-    # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default has two
-    # writers)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 2 + 2
+    # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12, 2 non-deterministic fp8 × dq16 (dqw1 copies only the
+    # D = 64 tiles, whose default has two writers)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 2 + 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw2":
@@ -223,6 +223,9 @@ def test_bwd_experiments_variants_names_and_support():
             src = _render(v)
             assert ('"bwd_dq_warp": True' in src) is (tag == "noqperm" and "deterministic" not in dict(v.params))
             assert ('"bwd_q_row_perm": True' in src) is (tag == "nodqwarp" and v.route == "fp8_token")
+        elif tag == "dq16":
+            assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is True
+            assert "deterministic" not in dict(v.params) and '"bwd_dq_bf16": True' in _render(v)
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render(v)
