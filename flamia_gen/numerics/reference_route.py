@@ -917,7 +917,9 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
                 edo = torch.nn.functional.pad(do_v.exp[:, a:b], (front, Mp - front - (b - a)), value=-127.0)
                 do_c, q_c = pad_rows(do_v.codes[:, a:b]), pad_rows(qk.codes[:, a:b])
                 yk, ek = pad(ds_k), pad(_ds_exponents(plan, ds_k, False, amax_k, a + delta, delta), -127.0)
-                yq, eq = pad(ds_q), pad(_ds_exponents(plan, ds_q, True, amax_q, a + delta, delta), -127.0)
+                yq = pad(ds_q)
+                # dq_bf16: no dQ scale group, so no exponents to take
+                eq = None if plan.dq_bf16 else pad(_ds_exponents(plan, ds_q, True, amax_q, a + delta, delta), -127.0)
                 k_c = pad_keys(kqn.codes)
                 kt_c = pad_keys(kqtn.codes) if kqtn is not None and g.diag is not None else None
                 diag = pad(g.diag.to(torch.float32)) > 0 if kt_c is not None else None
@@ -952,11 +954,11 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
                     acc_dk[:, :nh] = _mm(plan.mma_dk, a_dk, q_c[:, None, r], acc_dk[:, :nh])
 
                     # dQ partials of the visiting key tiles: per (row, key tile) exponent e, fp32 sum over tiles
-                    e_r = eq[:, r, :kn].view(Hkv, tm, nh, tn).amax(dim=-1)  # (H, tm, nh)
                     if plan.dq_bf16:  # dS unquantized (fp32 here), K codes: exact sums, no scale group
-                        e_r = torch.zeros_like(e_r)
+                        e_r = torch.zeros(Hkv, tm, nh, **f32)
                         a_dq = yq[:, r, :kn].view(Hkv, tm, nh, tn)
                     else:
+                        e_r = eq[:, r, :kn].view(Hkv, tm, nh, tn).amax(dim=-1)  # (H, tm, nh)
                         a_dq = _round_codes(yq[:, r, :kn].view(Hkv, tm, nh, tn) * _pow2i(-e_r)[..., None], ops.ds)
                     a_dq = a_dq.permute(0, 2, 1, 3).contiguous()  # (H, nh, rows, keys)
                     part = _mm(plan.mma_dq, a_dq, k_c[:, :kn].view(Hkv, nh, tn, D))
