@@ -56,10 +56,10 @@ EXPERIMENTS: dict[str, dict] = {
                      note="dQ rows' bulk reduce-adds from two consumer warps (the kernel before the writer warp)"),
     "noqperm": dict(over={"bwd_q_row_perm": False}, when=_fp8_token_tile,
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
-    # bwd_dq_bf16 (2026-12-04, twenty-fourth session; numerics change of the dQ product, emulator dq_bf16): dQ = dS·K̂ as a
-    # BF16 wgmma on the unquantized dS, no dQ amax exchange
-    "dq16": dict(over={"bwd_dq_bf16": True}, when=lambda p: _fp8_token_tile(p) and not p.get("deterministic"),
-                 note="dQ = dS·K̂ on BF16 (no dQ scale group, amax exchange or its barrier)"),
+    # bwd_dq_bf16 (built 2026-12-04 as tag dq16, the default since the twenty-fifth session; a numerics change of the dQ
+    # product, emulator dq_bf16): the kernel without it (dQ = dS̃·K on FP8) as an A/B copy against the default
+    "nodq16": dict(over={"bwd_dq_bf16": False}, when=_fp8_token_tile,
+                   note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},

@@ -78,6 +78,7 @@ PARAMS = {
     "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
+    "bwd_dq_bf16": True,
     "bwd_q_row_perm": True,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
@@ -480,6 +481,7 @@ class AttnBwdSm90:
         """Layouts and sizes; builds IR, so __call__ runs it under the JIT."""
         self.qk_dtype = Float8E4M3FN
         self.p_dtype = Float8E4M3FN
+        self.ds_dtype = BFloat16  # bwd_dq_bf16: dS for dQ (BF16 wgmma on sK16)
         self.num_mma_threads = 128 * self.num_wg
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer = 24
@@ -490,7 +492,8 @@ class AttnBwdSm90:
         self.sQ_layout = make_smem_layout(self.qk_dtype, (m, d), st)
         self.sdO_layout = make_smem_layout(self.qk_dtype, (m, d), st)
         # dS (queries, keys), keys contiguous: the K-major A operand of dQ = dS·K; two buffers
-        self.sdS_layout = make_smem_layout(self.p_dtype, (m, n), 2)
+        self.sdS_layout = make_smem_layout(self.ds_dtype, (m, n), 2)
+        self.sK16_layout = make_smem_layout(BFloat16, (n, d))  # bwd_dq_bf16: K codes·2^ek, the B of dQ = dS·K
         # K-major copies (tokens contiguous): B of dQ = dS·K (Kᵀ), dK = dSᵀ·Q (Qᵀ), dV = Pᵀ·dO (dOᵀ)
         self.sKt_layout = make_smem_layout(self.qk_dtype, (d, n))
         self.sQt_layout = make_smem_layout(self.qk_dtype, (d, m), st)
@@ -523,8 +526,9 @@ class AttnBwdSm90:
         dkv = sm90_utils.make_trivial_tiled_mma(
             self.p_dtype, self.qk_dtype, warpgroup.OperandMajorMode.K, b_major,
             Float32, (self.num_wg, 1, 1), (64, self.head_dim), a_source=warpgroup.OperandSource.RMEM)
+        # bwd_dq_bf16: dQ = dS·K̂ on BF16 (B = the sK16 tile MN-major, as the bf16 route's K)
         dq = sm90_utils.make_trivial_tiled_mma(
-            self.p_dtype, self.qk_dtype, warpgroup.OperandMajorMode.K, b_major,
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (1, self.num_wg, 1), (self.tile_m, self.head_dim // self.num_wg))
         return sdp, dkv, dq
 
@@ -578,6 +582,7 @@ class AttnBwdSm90:
         sKt_layout, sQt_layout, sdOt_layout = self.sKt_layout, self.sQt_layout, self.sdOt_layout
         sK_layout, sV_layout, sQ_layout, sdO_layout = self.sK_layout, self.sV_layout, self.sQ_layout, self.sdO_layout
         sdS_layout = self.sdS_layout
+        sK16_layout = self.sK16_layout
 
         @cute.struct
         class SharedStorage:
@@ -591,7 +596,8 @@ class AttnBwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(sdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.ds_dtype, cute.cosize(sdS_layout)], 1024]
+            sK16: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK16_layout)], 1024]
             sKt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sKt_layout)], 1024]
             sQt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQt_layout)], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdOt_layout)], 1024]
@@ -607,7 +613,7 @@ class AttnBwdSm90:
             tma_atom_kt, tma_kt, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQs, mKs, mVs, mdOs,
             sKt_layout, sQt_layout, sdOt_layout,
             mLSE, mDelta, mCu, mRowDoc, mWork, mUnitCtr, mdQacc, mdK, mdV, softmax_scale, scale_log2,
-            sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout,
+            sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout, sK16_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -621,7 +627,8 @@ class AttnBwdSm90:
                mLSE: cute.Tensor, mDelta: cute.Tensor, mCu: cute.Tensor, mRowDoc: cute.Tensor,
                mWork: cute.Tensor, mUnitCtr: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
                scale_log2: Float32, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               sK16_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -650,6 +657,7 @@ class AttnBwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sK16 = storage.sK16.get_tensor(sK16_layout.outer, swizzle=sK16_layout.inner)
         sKt = storage.sKt.get_tensor(sKt_layout.outer, swizzle=sKt_layout.inner)
         sQt = storage.sQt.get_tensor(sQt_layout.outer, swizzle=sQt_layout.inner)
         sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
@@ -676,7 +684,7 @@ class AttnBwdSm90:
                      mKs, mVs, sKt, sQt, sdOt,
                      mCu, mRowDoc, mWork, sUnit, mdQacc, mdK, mdV, sK, sV, sQ, sdO, sdS, sRow, sAmax, pipe_kv, pipe_q,
                      softmax_scale, scale_log2, tidx - 128, HKV, num_units,
-                     sdQ)
+                     sdQ, sK16)
 
     # -----------------------------------------------------------------------------------
     # Producer warp: K, V, Kᵀ once per unit; Q, dO, Qᵀ, dOᵀ and row factors per query tile.
@@ -845,7 +853,7 @@ class AttnBwdSm90:
             sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
             sRow: cute.Tensor, sAmax: cute.Tensor, pipe_kv, pipe_q, softmax_scale: Float32, scale_log2: Float32,
             tidx: Int32, HKV: Int32, num_units: Int32,
-            sdQ: cute.Tensor):
+            sdQ: cute.Tensor, sK16: cute.Tensor):
         T = mdQacc.shape[0]
         HQ = mdQacc.shape[1]
         group = HQ // HKV
@@ -865,7 +873,7 @@ class AttnBwdSm90:
         # dV = Pᵀ·dO, dK = dSᵀ·Q: B is (D, queries)
         sdOb = sdOt  # K-major copies (queries contiguous), FP8 wgmma takes nothing else
         sQb = sQt
-        sKb = sKt
+        sKb = cute.composition(sK16, cute.make_ordered_layout((d, n), order=(1, 0)))  # BF16 K̂, MN-major
         tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOb))
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQb))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((n, m)))
@@ -922,6 +930,10 @@ class AttnBwdSm90:
                 acc_dV.fill(0.0)
                 acc_dK.fill(0.0)
                 pipe_kv.consumer_wait(kv_state)
+                # bwd_dq_bf16: K̂ = K codes·2^ek into this warpgroup's D columns of sK16 (the columns its dQ wgmma
+                # reads: its own last dQ wgmma of the previous unit was waited for), before the first tile's
+                # fence and barrier publish it to the async proxy
+                self.k_to_bf16(sK, sK16, mKs, k_tok0, hkv, T, tidx)
                 for hh in cutlass.range(group, unroll=1):
                     head = hkv * group + hh
                     for mi in cutlass.range(m_hi - m_lo, unroll=1):
@@ -1110,52 +1122,11 @@ class AttnBwdSm90:
         self.convert_p(acc_S, tdKrdS)
         self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
-        # dQ: y = dS·2^ek per (query row, key tile) group: the row amax spans both warpgroups'
-        # keys, so it is reduced over the warp's rows by shuffles and across warps in shared memory
-        # Per column: a = max over the thread's two key rows; then, per batch of DQ_AMAX_CG column groups
-        # (2·DQ_AMAX_CG columns), a reduce-scatter over the 8 lanes that hold the same columns (xor 4, 8, …:
-        # each round a lane keeps half of its columns and takes the partner's maxima of them), then plain
-        # butterfly rounds for the rest of the 8 lanes: each lane ends with one whole-warp column maximum
-        # per batch and adds it to shared memory with one atomic (lanes that share a column add the same
-        # value: max is idempotent; no divergent branch). Maxima travel as ds_key order keys. Small
-        # batches keep the live set small (register pressure next to the in-flight dV/dK wgmma).
-        lane = cute.arch.lane_idx()
-        for b in cutlass.range_constexpr(8 // DQ_AMAX_CG):
-            am = cute.make_rmem_tensor((2 * DQ_AMAX_CG,), Float32)
-            for cl in cutlass.range_constexpr(DQ_AMAX_CG):
-                cg = DQ_AMAX_CG * b + cl
-                for cp in cutlass.range_constexpr(2):
-                    for rh in cutlass.range_constexpr(2):
-                        i = cp + 2 * rh + 4 * cg
-                        acc_dP[i] = acc_dP[i] * kf[rh]
-                    am[2 * cl + cp] = fmax_nan(fabs(acc_dP[cp + 4 * cg]), fabs(acc_dP[cp + 2 + 4 * cg]))
-            half = DQ_AMAX_CG
-            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER):
-                upper = ((lane >> Int32(2 + rnd)) & Int32(1)) != Int32(0)  # keep the upper half
-                for v in cutlass.range_constexpr(half):
-                    send = Float32(cutlass.select_(upper, am[v], am[v + half]))
-                    keep = Float32(cutlass.select_(upper, am[v + half], am[v]))
-                    am[v] = fmax_nan(keep, cute.arch.shuffle_sync_bfly(send, offset=4 << rnd))
-                half = half // 2
-            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER, 3):
-                am[0] = fmax_nan(am[0], cute.arch.shuffle_sync_bfly(am[0], offset=4 << rnd))
-            # wgmma C layout: the column of element 4·cg + cp is tScS[0][1] + 8·cg + cp
-            cg_own, cp_own = dq_amax_owned(lane, b)
-            col = tScS[0][1] + Int32(8) * cg_own + cp_own
-            cute.arch.atomic_max(sAmax.iterator + (buf * m + col), ds_key(am[0]))
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
-        for cg in cutlass.range_constexpr(8):
-            amk = self.load2(sAmax, buf * m + tScS[4 * cg][1])
-            for cp in cutlass.range_constexpr(2):
-                f = pow2i_neg_ds_key(amk[cp])
-                for rh in cutlass.range_constexpr(2):
-                    i = cp + 2 * rh + 4 * cg
-                    acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
-            # the amax slots are Sᵀ columns: dQ row r's is col_of_query(r)
-            dqf[rh] = pow2i_ds_key(sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]) * softmax_scale
-        rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
-        rdS.store(acc_dP.load().to(self.p_dtype))
+            dqf[rh] = softmax_scale
+        # bwd_dq_bf16: dS itself (no scale group) in BF16; K̂ carries 2^ek
+        rdS = cute.make_rmem_tensor(shape_S, self.ds_dtype)
+        rdS.store(acc_dP.load().to(self.ds_dtype))
         dst = tSsdS[None, None, None, buf]
         for i in cutlass.range_constexpr(cute.size(rdS)):
             dst[i] = rdS[i]
@@ -1166,8 +1137,6 @@ class AttnBwdSm90:
         warpgroup.wait_group(0)
         pipe_q.consumer_release(q_state)
         q_state.advance()
-        if tidx < m:
-            sAmax[buf * m + tidx] = Uint32(0)  # every read of this buffer happened before the barrier
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
@@ -1220,6 +1189,42 @@ class AttnBwdSm90:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def k_to_bf16(self, sK: cute.Tensor, sK16: cute.Tensor, mKs: cute.Tensor, k_tok0: Int32, hkv: Int32, T: Int32,
+                  tidx: Int32):
+        """bwd_dq_bf16: sK16[key, c] = BF16(K code · 2^ek) for this warpgroup's D columns (exact: an E4M3 value times
+        a power of two fits BF16's 8 significant bits and exponent range). The warpgroup's threads tile
+        (keys, 8-column chunks) 16 × 8: 64-bit loads of 8 codes, 128-bit stores of 8 BF16 values through the
+        swizzled layouts; keys past T take factor 0 (their dS is 0)."""
+        cols = self.head_dim // self.num_wg
+        per_row = cols // 8
+        wg = tidx // 128
+        t = tidx % 128
+        thr_layout = cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0))
+        ld = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.qk_dtype, num_bits_per_copy=64),
+            thr_layout, cute.make_layout((1, 8)))
+        st = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128),
+            thr_layout, cute.make_layout((1, 8)))
+        thr_ld = ld.get_slice(t)
+        thr_st = st.get_slice(t)
+        src = thr_ld.partition_S(cute.local_tile(sK, (self.tile_n, cols), (0, wg)))
+        dst = thr_st.partition_D(cute.local_tile(sK16, (self.tile_n, cols), (0, wg)))
+        crd = thr_ld.partition_S(cute.local_tile(cute.make_identity_tensor((self.tile_n, self.head_dim)),
+                                                 (self.tile_n, cols), (0, wg)))
+        r8 = cute.make_fragment_like(src)
+        cute.copy(ld, src, r8)
+        r16 = cute.make_fragment_like(dst)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            tok = k_tok0 + crd[0, i, 0][0]
+            kc = Int32(0)
+            if tok < T:
+                kc = Int32(mKs[tok, hkv])
+            f = bits_f32(Uint32(kc) << Uint32(23))  # 2^ek
+            r16[None, i, 0].store((r8[None, i, 0].load().to(Float32) * f).to(BFloat16))
+        cute.copy(st, r16, dst)
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):

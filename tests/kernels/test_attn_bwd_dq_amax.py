@@ -26,8 +26,9 @@ from flamia_gen.spec import ExponentRule, Format, load_specs
 
 @pytest.fixture(scope="module")
 def fp8_variant():
+    """fp8_token_bf16qk's tile: fp8_token's takes dQ on BF16 dS (no dQ amax) since 2026-12-04."""
     plan = make_plan(load_specs(), arch="sm90")
-    return next(v for v in plan.variants if v.kind.value == "attn_bwd" and v.route == "fp8_token"
+    return next(v for v in plan.variants if v.kind.value == "attn_bwd" and v.route == "fp8_token_bf16qk"
                 and v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
 
 
@@ -174,7 +175,7 @@ def test_compile_trim_variant(fp8_variant, compile_sm90, tmp_path, det):
     float → int conversion of dO's exponent; the softmax (ex2) is untouched."""
     plan = make_plan(load_specs(), arch="sm90")
     v = fp8_variant if not det else next(
-        x for x in plan.variants if x.kind.value == "attn_bwd" and x.route == "fp8_token" and x.param("head_dim") == 128
+        x for x in plan.variants if x.kind.value == "attn_bwd" and x.route == fp8_variant.route and x.param("head_dim") == 128
         and x.param("causal") and dict(x.params).get("deterministic"))
     off = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=False)))
     for p in (tmp_path / "dump").glob("*.ptx"):
@@ -199,9 +200,9 @@ def test_bwd_experiments_variants_names_and_support():
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
     # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
-    # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3), 2 × r12, 2 non-deterministic fp8 × dq16 (dqw1 copies only the
-    # D = 64 tiles, whose default has two writers)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 2 + 2 + 2
+    # 4 deterministic × dyndet, 4 fp8 × (noqperm, s3, nodq16), 2 × r12 (dqw1 copies only the D = 64 tiles, whose default
+    # has two writers)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 3 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw2":
@@ -223,9 +224,9 @@ def test_bwd_experiments_variants_names_and_support():
             src = _render(v)
             assert ('"bwd_dq_warp": True' in src) is (tag == "noqperm" and "deterministic" not in dict(v.params))
             assert ('"bwd_q_row_perm": True' in src) is (tag == "nodqwarp" and v.route == "fp8_token")
-        elif tag == "dq16":
-            assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is True
-            assert "deterministic" not in dict(v.params) and '"bwd_dq_bf16": True' in _render(v)
+        elif tag == "nodq16":
+            assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
+            assert '"bwd_dq_bf16"' not in _render(v)
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render(v)

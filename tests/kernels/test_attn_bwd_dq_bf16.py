@@ -1,9 +1,9 @@
-"""dQ on BF16 dS in the backward (flag `bwd_dq_bf16`, experiment, off; templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md
-"dQ on BF16 dS"). fp8_token's tile takes dQ = dS·K̂ as a BF16 wgmma on the unquantized dS and a BF16 K̂ = K codes·2^ek
+"""dQ on BF16 dS in the backward (flag `bwd_dq_bf16`, on for fp8_token's plain tile since 2026-12-04;
+templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dQ on BF16 dS"). fp8_token's tile takes dQ = dS·K̂ as a BF16 wgmma on the unquantized dS and a BF16 K̂ = K codes·2^ek
 the consumers write once per unit, so the tile has no dQ scale group: no dQ amax exchange, its shared-memory atomics or
-its barrier. The emulator follows (`route_backward(dq_bf16=True)`); dK and dV do not change. CPU: renders, refusals,
-the experiment tag and the emulator; `-m compile` cross-compiles. H200 (2026-12-04): verify ok, dK, dV bitwise equal
-to the default, fp8_token D = 128 causal 4×4096 / 1×16384 / skewed 0.953 / 0.932 / 0.987× the default's time."""
+its barrier. The emulator follows (`route_backward(dq_bf16=True)`); dK and dV do not change. CPU: the default renders, refusals,
+the A/B tag and the emulator; `-m compile` cross-compiles. H200 (2026-12-04): verify ok, dK, dV bitwise equal
+to the FP8 dQ kernel, fp8_token D = 128 causal 4×4096 / 1×16384 / skewed 0.953 / 0.932 / 0.987× its time."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from flamia_gen.spec import get_route, load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
-TILE = [v for v in BWD if v.route == "fp8_token" and not dict(v.params).get("deterministic")]
+TILE = [v for v in BWD if v.route == "fp8_token"]  # the deterministic tile too
 
 
 def _render(v, **over) -> str:
@@ -36,16 +36,19 @@ def _params(src: str) -> dict:
     return ast.literal_eval(node.value)
 
 
-def test_off_by_default():
+def test_on_by_default_for_the_plain_fp8_token_tile_only():
+    on = {v.name for v in TILE}
+    assert len(on) == 8  # D 64, 128 × causal or not × deterministic or not (one tile, m64n128)
     for v in BWD:
         src = render_variant(v)
-        assert "bwd_dq_bf16" not in _params(src) and "def k_to_bf16(" not in src, v.name
+        assert (_params(src).get("bwd_dq_bf16") is True) is (v.name in on), v.name
+        assert ("def k_to_bf16(" in src) is (v.name in on), v.name
 
 
 @pytest.mark.parametrize("v", TILE, ids=lambda v: v.name)
 def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
-    on, off = _render(v, bwd_dq_bf16=True), render_variant(v)
-    assert _params(on)["bwd_dq_bf16"] is True
+    on, off = render_variant(v), _render(v, bwd_dq_bf16=False)
+    assert _params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in _params(off)
     for s, want in ((on, True), (off, False)):
         assert ("def k_to_bf16(" in s) is want
         assert ("sK16: cute.struct.Align[cute.struct.MemRange[BFloat16" in s) is want
@@ -61,13 +64,10 @@ def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
 
 
 def _refused():
-    """One variant of every other route, and fp8_token's deterministic ones."""
+    """One variant of every other route."""
     seen, out = set(), []
     for x in BWD:
-        if x.route == "fp8_token":
-            if dict(x.params).get("deterministic"):
-                out.append(x)
-        elif x.route not in seen:
+        if x.route != "fp8_token" and x.route not in seen:
             seen.add(x.route)
             out.append(x)
     return out
@@ -79,13 +79,14 @@ def test_flag_refused_outside_the_plain_fp8_token_tile(v):
         _render(v, bwd_dq_bf16=True)
 
 
-def test_experiment_tag_applies_to_the_fp8_token_tile_only():
+def test_ab_tag_applies_to_the_fp8_token_tile_only():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
     bwd, _ = base_variants(routes=("fp8_token", "bf16"))
-    tagged = [v for t, v in experiment_variants(("dq16",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dq16"]
-    assert tagged and all(v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is True
-                          and not dict(v.params).get("deterministic") for v in tagged)
+    tagged = [v for t, v in experiment_variants(("nodq16",), base_variants=bwd, experiments=EXPERIMENTS)
+              if t == "nodq16"]
+    assert len(tagged) == 4 and all(v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False for v in tagged)
+    assert all("def k_to_bf16(" not in _render(v) for v in tagged)
 
 
 def _case(seed=0, causal=True):
@@ -124,6 +125,6 @@ def test_emulator_refuses_dq_bf16_without_an_fp8_ds_k_product():
 def test_compile_dq_bf16(compile_sm90):
     """Cross-compiles for sm_90a: no shared-memory max atomics (the dQ amax), BF16 wgmmas for dQ."""
     v = next(x for x in TILE if x.param("head_dim") == 128 and x.param("causal"))
-    ptx = compile_sm90(v, source=_render(v, bwd_dq_bf16=True))
+    ptx = compile_sm90(v, source=render_variant(v))
     assert "atom.shared.max" not in ptx and "red.shared.max" not in ptx
     assert ".bf16.bf16" in ptx
