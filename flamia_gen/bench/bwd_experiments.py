@@ -36,6 +36,10 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
                              and p.get("q_gran") == "token" and p.get("ds_gran") == "token"
                              and not (p.get("diag_v") or p.get("diag_k") or p.get("rows_q") or p.get("scores_bf16")))
 
+# fp8_token_bf16qk's tile (BF16 Sᵀ, E4M3 per-token dS and Q, K codes for dK, dQ): where bwd_dq_bf16 takes the BF16 k
+_bf16qk_tile = lambda p: (_qk8(p) and bool(p.get("scores_bf16")) and p.get("q_fmt") == "e4m3"  # noqa: E731
+                          and p.get("ds_gran") == "token")
+
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
@@ -58,7 +62,8 @@ EXPERIMENTS: dict[str, dict] = {
                     note="P̂ᵀ and dSᵀ to their wgmmas by shuffles (Q, dO rows in natural order)"),
     # bwd_dq_bf16 (built 2026-12-04 as tag dq16, the default since the twenty-fifth session; a numerics change of the dQ
     # product, emulator dq_bf16): the kernel without it (dQ = dS̃·K on FP8) as an A/B copy against the default
-    "nodq16": dict(over={"bwd_dq_bf16": False}, when=_fp8_token_tile,
+    # (fp8_token_bf16qk's BF16-score tile too since the twenty-fifth session: its dQ takes the BF16 k of Sᵀ)
+    "nodq16": dict(over={"bwd_dq_bf16": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
                    note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default

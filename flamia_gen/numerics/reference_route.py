@@ -249,6 +249,9 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
     per_key_v = sg.per_key_v
     if dq_bf16 and not (_fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k))):
         raise ValueError(f"dq_bf16: route {route.name!r} has no FP8 dS·K product to take in BF16")
+    if dq_bf16 and _product_spec(ops.k) != ops.k:
+        raise ValueError(f"dq_bf16: route {route.name!r} keeps K in a format of its own ({ops.k.format.value}) with "
+                         "an E4M3 copy for dQ; no BF16 K is defined for its dQ")
     if q_align_end and causal and (sg.per_key_k or per_key_v):
         raise ValueError(f"q_align_end: route {route.name!r} takes per-key operands on diagonal tiles, which the "
                          "backward repeats on query tiles from the document start; not with end-aligned tiles")
@@ -320,7 +323,9 @@ def prepare_backward(plan: Plan, q, k, v, do, cu) -> BackwardOps:
         fwd=fwd,
         do_rows=represent(do, _token_spec(ops.do), cu) if plan.causal_rows_do else do_dv,
         do_dv=do_dv,
-        kq=fwd.ks if kspec == ops.k and not plan.scores_bf16 else represent(k, kspec, cu),
+        # dq_bf16 on a BF16-score route: dQ takes the BF16 k of QKᵀ itself (the kernel's sK), not K's E4M3 codes
+        kq=fwd.ks if (kspec == ops.k and not plan.scores_bf16) or (plan.dq_bf16 and plan.scores_bf16)
+        else represent(k, kspec, cu),
         kq_tok=represent(k, _token_spec(kspec), cu) if plan.per_key_k else None,
         qk=represent(q, _product_spec(ops.q), cu))
 
@@ -685,7 +690,7 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
                    scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False):
     """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `dq_bf16` (the backward kernel's experiment flag
     `bwd_dq_bf16`): dQ = dS·K̂ takes dS unquantized (fp32 here; the kernel's BF16 wgmma rounds it to BF16) with K̂ =
-    K codes·2^ek, so no dQ scale group exists; dK, dV unchanged. `tile_m`, `tile_n`, `key_align`: the
+    K codes·2^ek (on a BF16-score route the BF16 k of QKᵀ itself), so no dQ scale group exists; dK, dV unchanged. `tile_m`, `tile_n`, `key_align`: the
     backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
     `tile_n`): the *forward's* tiles, whose diagonal decisions the backward repeats (its key tiles
     start at doc_start − δ as well, δ = doc_start mod key_align). `mma="sm90_fp8"`: every product

@@ -78,6 +78,7 @@ PARAMS = {
     "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
+    "bwd_dq_bf16": True,
     "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "37e0ad7ae73797e7",
@@ -462,6 +463,7 @@ class AttnBwdSm90:
         self.qk_dtype = Float8E4M3FN
         self.p_dtype = Float8E4M3FN
         self.s_dtype = BFloat16  # sK, sQ: the BF16 q, k of Sᵀ = K·Qᵀ
+        self.ds_dtype = BFloat16  # bwd_dq_bf16: dS for dQ (BF16 wgmma on the BF16 sK)
         self.num_mma_threads = 128 * self.num_wg
         self.num_threads = 128 * (self.num_wg + 1)
         self.regs_producer = 24
@@ -472,7 +474,7 @@ class AttnBwdSm90:
         self.sQ_layout = make_smem_layout(self.s_dtype, (m, d), st)
         self.sdO_layout = make_smem_layout(self.qk_dtype, (m, d), st)
         # dS (queries, keys), keys contiguous: the K-major A operand of dQ = dS·K; two buffers
-        self.sdS_layout = make_smem_layout(self.p_dtype, (m, n), 2)
+        self.sdS_layout = make_smem_layout(self.ds_dtype, (m, n), 2)
         # K-major copies (tokens contiguous): B of dQ = dS·K (Kᵀ), dK = dSᵀ·Q (Qᵀ), dV = Pᵀ·dO (dOᵀ)
         self.sKt_layout = make_smem_layout(self.qk_dtype, (d, n))
         self.sQt_layout = make_smem_layout(self.qk_dtype, (d, m), st)
@@ -505,8 +507,9 @@ class AttnBwdSm90:
         dkv = sm90_utils.make_trivial_tiled_mma(
             self.p_dtype, self.qk_dtype, warpgroup.OperandMajorMode.K, b_major,
             Float32, (self.num_wg, 1, 1), (64, self.head_dim), a_source=warpgroup.OperandSource.RMEM)
+        # bwd_dq_bf16: dQ = dS·K on BF16 (B = the sK tile MN-major, as the bf16 route's K)
         dq = sm90_utils.make_trivial_tiled_mma(
-            self.p_dtype, self.qk_dtype, warpgroup.OperandMajorMode.K, b_major,
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (1, self.num_wg, 1), (self.tile_m, self.head_dim // self.num_wg))
         # Sᵀ = K·Qᵀ on BF16 (same C layout as sdp's: the S accumulator code is shared)
         s = sm90_utils.make_trivial_tiled_mma(
@@ -567,7 +570,7 @@ class AttnBwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.p_dtype, cute.cosize(sdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.ds_dtype, cute.cosize(sdS_layout)], 1024]
             sKt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sKt_layout)], 1024]
             sQt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sQt_layout)], 1024]
             sdOt: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(sdOt_layout)], 1024]
@@ -843,7 +846,7 @@ class AttnBwdSm90:
         # dV = Pᵀ·dO, dK = dSᵀ·Q: B is (D, queries)
         sdOb = sdOt  # K-major copies (queries contiguous), FP8 wgmma takes nothing else
         sQb = sQt
-        sKb = sKt
+        sKb = cute.composition(sK, cute.make_ordered_layout((d, n), order=(1, 0)))  # the BF16 K of Sᵀ, MN-major
         tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOb))
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQb))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((n, m)))
@@ -1086,51 +1089,11 @@ class AttnBwdSm90:
         self.convert_p(acc_S, tdKrdS)
         self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
-        # dQ: y = dS·2^ek per (query row, key tile) group: the row amax spans both warpgroups'
-        # keys, so it is reduced over the warp's rows by shuffles and across warps in shared memory
-        # Per column: a = max over the thread's two key rows; then, per batch of DQ_AMAX_CG column groups
-        # (2·DQ_AMAX_CG columns), a reduce-scatter over the 8 lanes that hold the same columns (xor 4, 8, …:
-        # each round a lane keeps half of its columns and takes the partner's maxima of them), then plain
-        # butterfly rounds for the rest of the 8 lanes: each lane ends with one whole-warp column maximum
-        # per batch and adds it to shared memory with one atomic (lanes that share a column add the same
-        # value: max is idempotent; no divergent branch). Maxima travel as ds_key order keys. Small
-        # batches keep the live set small (register pressure next to the in-flight dV/dK wgmma).
-        lane = cute.arch.lane_idx()
-        for b in cutlass.range_constexpr(8 // DQ_AMAX_CG):
-            am = cute.make_rmem_tensor((2 * DQ_AMAX_CG,), Float32)
-            for cl in cutlass.range_constexpr(DQ_AMAX_CG):
-                cg = DQ_AMAX_CG * b + cl
-                for cp in cutlass.range_constexpr(2):
-                    for rh in cutlass.range_constexpr(2):
-                        i = cp + 2 * rh + 4 * cg
-                        acc_dP[i] = acc_dP[i] * kf[rh]
-                    am[2 * cl + cp] = fmax_nan(fabs(acc_dP[cp + 4 * cg]), fabs(acc_dP[cp + 2 + 4 * cg]))
-            half = DQ_AMAX_CG
-            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER):
-                upper = ((lane >> Int32(2 + rnd)) & Int32(1)) != Int32(0)  # keep the upper half
-                for v in cutlass.range_constexpr(half):
-                    send = Float32(cutlass.select_(upper, am[v], am[v + half]))
-                    keep = Float32(cutlass.select_(upper, am[v + half], am[v]))
-                    am[v] = fmax_nan(keep, cute.arch.shuffle_sync_bfly(send, offset=4 << rnd))
-                half = half // 2
-            for rnd in cutlass.range_constexpr(DQ_AMAX_SCATTER, 3):
-                am[0] = fmax_nan(am[0], cute.arch.shuffle_sync_bfly(am[0], offset=4 << rnd))
-            # wgmma C layout: the column of element 4·cg + cp is tScS[0][1] + 8·cg + cp
-            cg_own, cp_own = dq_amax_owned(lane, b)
-            col = tScS[0][1] + Int32(8) * cg_own + cp_own
-            cute.arch.atomic_max(sAmax.iterator + (buf * m + col), ds_key(am[0]))
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
-        for cg in cutlass.range_constexpr(8):
-            amk = self.load2(sAmax, buf * m + tScS[4 * cg][1])
-            for cp in cutlass.range_constexpr(2):
-                f = pow2i_neg_ds_key(amk[cp])
-                for rh in cutlass.range_constexpr(2):
-                    i = cp + 2 * rh + 4 * cg
-                    acc_dP[i] = acc_dP[i] * f
         for rh in cutlass.range_constexpr(2):
-            dqf[rh] = pow2i_ds_key(sAmax[buf * m + tdQcdQ[2 * rh][0]]) * softmax_scale
-        rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
-        rdS.store(acc_dP.load().to(self.p_dtype))
+            dqf[rh] = softmax_scale
+        # bwd_dq_bf16: dS itself (no scale group) in BF16; K̂ carries 2^ek
+        rdS = cute.make_rmem_tensor(shape_S, self.ds_dtype)
+        rdS.store(acc_dP.load().to(self.ds_dtype))
         dst = tSsdS[None, None, None, buf]
         for i in cutlass.range_constexpr(cute.size(rdS)):
             dst[i] = rdS[i]
@@ -1141,8 +1104,6 @@ class AttnBwdSm90:
         warpgroup.wait_group(0)
         pipe_q.consumer_release(q_state)
         q_state.advance()
-        if tidx < m:
-            sAmax[buf * m + tidx] = Uint32(0)  # every read of this buffer happened before the barrier
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it

@@ -26,14 +26,17 @@ from flamia_gen.spec import ExponentRule, Format, load_specs
 
 @pytest.fixture(scope="module")
 def fp8_variant():
-    """fp8_token_bf16qk's tile: fp8_token's takes dQ on BF16 dS (no dQ amax) since 2026-12-04."""
+    """fp8_token_bf16qk's tile (rendered with the FP8 dQ, see _render)."""
     plan = make_plan(load_specs(), arch="sm90")
     return next(v for v in plan.variants if v.kind.value == "attn_bwd" and v.route == "fp8_token_bf16qk"
                 and v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
 
 
 def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    """With the FP8 dQ (bwd_dq_bf16 off): since 2026-12-04 every per-token dS tile takes dQ on BF16 by default, and the
+    dQ amax lives on as the `nodq16` A/B copy's."""
+    ctx = {"bwd_dq_bf16": False, **dict(v.context), **over}
+    body = _environment(templates_dir()).get_template(v.template).render(**ctx)
     return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 

@@ -1,4 +1,4 @@
-"""dQ on BF16 dS in the backward (flag `bwd_dq_bf16`, on for fp8_token's plain tile since 2026-12-04;
+"""dQ on BF16 dS in the backward (flag `bwd_dq_bf16`, on for fp8_token's and fp8_token_bf16qk's tiles since 2026-12-04;
 templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dQ on BF16 dS"). fp8_token's tile takes dQ = dS·K̂ as a BF16 wgmma on the unquantized dS and a BF16 K̂ = K codes·2^ek
 the consumers write once per unit, so the tile has no dQ scale group: no dQ amax exchange, its shared-memory atomics or
 its barrier. The emulator follows (`route_backward(dq_bf16=True)`); dK and dV do not change. CPU: the default renders, refusals,
@@ -23,6 +23,7 @@ from flamia_gen.spec import get_route, load_specs
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 TILE = [v for v in BWD if v.route == "fp8_token"]  # the deterministic tile too
+BQK = [v for v in BWD if v.route == "fp8_token_bf16qk"]
 
 
 def _render(v, **over) -> str:
@@ -36,13 +37,13 @@ def _params(src: str) -> dict:
     return ast.literal_eval(node.value)
 
 
-def test_on_by_default_for_the_plain_fp8_token_tile_only():
-    on = {v.name for v in TILE}
-    assert len(on) == 8  # D 64, 128 × causal or not × deterministic or not (one tile, m64n128)
+def test_on_by_default_for_the_per_token_e4m3_ds_tiles_only():
+    on = {v.name for v in TILE + BQK}
+    assert len(on) == 16  # fp8_token, fp8_token_bf16qk × D 64, 128 × causal or not × deterministic or not (m64n128)
     for v in BWD:
         src = render_variant(v)
         assert (_params(src).get("bwd_dq_bf16") is True) is (v.name in on), v.name
-        assert ("def k_to_bf16(" in src) is (v.name in on), v.name
+        assert ("def k_to_bf16(" in src) is (v.route == "fp8_token"), v.name
 
 
 @pytest.mark.parametrize("v", TILE, ids=lambda v: v.name)
@@ -64,10 +65,10 @@ def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
 
 
 def _refused():
-    """One variant of every other route."""
+    """One variant of every route without a per-token E4M3 dS tile (fp8_token's, fp8_token_bf16qk's)."""
     seen, out = set(), []
     for x in BWD:
-        if x.route != "fp8_token" and x.route not in seen:
+        if x.route not in ("fp8_token", "fp8_token_bf16qk") and x.route not in seen:
             seen.add(x.route)
             out.append(x)
     return out
@@ -86,7 +87,25 @@ def test_ab_tag_applies_to_the_fp8_token_tile_only():
     tagged = [v for t, v in experiment_variants(("nodq16",), base_variants=bwd, experiments=EXPERIMENTS)
               if t == "nodq16"]
     assert len(tagged) == 4 and all(v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False for v in tagged)
+    bqk, _ = base_variants(routes=("fp8_token_bf16qk",))
+    tagged = [v for t, v in experiment_variants(("nodq16",), base_variants=bqk, experiments=EXPERIMENTS) if t == "nodq16"]
+    assert len(tagged) == 4 and all(dict(v.params)["bwd_dq_bf16"] is False and "ds_key(am[0])" in _render(v)
+                                    for v in tagged)
     assert all("def k_to_bf16(" not in _render(v) for v in tagged)
+
+
+@pytest.mark.parametrize("v", BQK, ids=lambda v: v.name)
+def test_bf16qk_flag_takes_the_bf16_k_of_the_scores(v):
+    """fp8_token_bf16qk (on since 2026-12-04): dQ = dS·K on the BF16 sK the tile holds for Sᵀ; no K̂ tile, no dQ amax."""
+    on, off = render_variant(v), _render(v, bwd_dq_bf16=False)
+    assert _params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in _params(off)
+    ast.parse(on)
+    assert "def k_to_bf16(" not in on and "sK16" not in on
+    assert "sKb = cute.composition(sK, cute.make_ordered_layout((d, n), order=(1, 0)))" in on
+    assert "sKb = sKt" in off and "sKb = sKt" not in on
+    assert "ds_key(am[0])" in off and "ds_key(am[0])" not in on
+    tile = lambda s: s[s.index("    def one_tile("):s.index("    def ", s.index("    def one_tile(") + 10)]  # noqa: E731
+    assert tile(on).count("cute.arch.barrier(barrier_id=1,") == tile(off).count("cute.arch.barrier(barrier_id=1,") - 1
 
 
 def _case(seed=0, causal=True):
@@ -115,10 +134,28 @@ def test_emulator_dq_bf16_changes_dq_only_and_moves_it_towards_fp32(mma):
         assert float(cosine(dq1, dq_exact)) > 0.99999
 
 
+@pytest.mark.parametrize("mma", ["exact", "sm90_fp8"])
+def test_emulator_bf16qk_dq_bf16_is_fp8_pv_dq(mma):
+    """On fp8_token_bf16qk dq_bf16 takes dS unquantized and the BF16 k: the very dQ of fp8_pv (BF16 dS and K, the same
+    forward and dS), bit for bit; dK, dV stay the route's own."""
+    _, q, k, v, _, _, do, cu = _case()
+    kw = dict(tile_m=64, tile_n=64, key_align=16)
+    r, pv = get_route("fp8_token_bf16qk"), get_route("fp8_pv")
+    o, lse = route_forward(r, q, k, v, cu, True, **kw)
+    dq, dk, dv = route_backward(r, q, k, v, o, lse, do, cu, True, mma=mma, dq_bf16=True, **kw)
+    dq0, dk0, dv0 = route_backward(r, q, k, v, o, lse, do, cu, True, mma=mma, **kw)
+    assert torch.equal(dq, route_backward(pv, q, k, v, o, lse, do, cu, True, mma=mma, **kw)[0])
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0) and not torch.equal(dq, dq0)
+    ref = attention_backward(q, k, v, o, lse, do, cu, True, None)[0]
+    assert float(cosine(dq, ref)) > float(cosine(dq0, ref))
+
+
 def test_emulator_refuses_dq_bf16_without_an_fp8_ds_k_product():
     r, q, k, v, o, lse, do, cu = _case()
     with pytest.raises(ValueError, match="dq_bf16"):
         route_backward(get_route("bf16"), q, k, v, o, lse, do, cu, True, dq_bf16=True)
+    with pytest.raises(ValueError, match="e2m1"):  # nvfp4_mixed: no BF16 K of its own for dQ
+        route_backward(get_route("nvfp4_mixed"), q, k, v, o, lse, do, cu, True, dq_bf16=True)
 
 
 @pytest.mark.compile
