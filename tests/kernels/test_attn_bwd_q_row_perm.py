@@ -106,10 +106,12 @@ def test_mapping_matches_fragments_words_masks_and_dq_slots(v):
             bits = (c & 1, (c >> 1) & 1, (c >> 2) & 1, (c >> 3) & 1, c >> 4)
             idx = m * key + sum(b * s for b, s in zip(bits, (1, 4, 8, 2, 16))) + m * n * 1
             assert idx == query_of_col(c) + m * key + m * n
-    # the dQ amax: writers and the dS scale readers index slots by column; dQ row r (natural) reads col_of_query(r),
-    # the slot of the column that holds query r
-    assert "sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]" in src
-    untrimmed = _render(v, bwd_q_row_perm=True, bwd_alu_trim=False)
+    # the dQ amax (the FP8 dQ, bwd_dq_bf16 off: the nodq16 A/B copy; the default takes dQ on BF16 dS, no amax slots):
+    # writers and the dS scale readers index slots by column; dQ row r (natural) reads col_of_query(r), the slot of
+    # the column that holds query r
+    assert "sAmax[buf * m + col_of_query(" not in src
+    assert "sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]" in _render(v, bwd_q_row_perm=True, bwd_dq_bf16=False)
+    untrimmed = _render(v, bwd_q_row_perm=True, bwd_alu_trim=False, bwd_dq_bf16=False)
     assert "e = ds_exponent(bits_f32(sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]))" in untrimmed
     # the Q and dO TMA view: smem row r of a 16-aligned tile receives token offset (2, 4, 2, ·):(1, 4, 2, 16)(r)
     assert "((2, 4, 2, t_pad // 16), row), stride=((row, 4 * row, 2 * row, 16 * row), 1)" in src
