@@ -65,6 +65,9 @@ EXPERIMENTS: dict[str, dict] = {
     # (fp8_token_bf16qk's BF16-score tile too since the twenty-fifth session: its dQ takes the BF16 k of Sᵀ)
     "nodq16": dict(over={"bwd_dq_bf16": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
                    note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
+    # bwd_row_pad (twenty-fifth session; default on the tiles with dQ on BF16): the unpadded per-query words as an A/B
+    "norowpad": dict(over={"bwd_row_pad": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
+                     note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},

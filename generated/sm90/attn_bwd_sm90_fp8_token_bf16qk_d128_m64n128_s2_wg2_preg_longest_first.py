@@ -79,6 +79,7 @@ PARAMS = {
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
+    "bwd_row_pad": True,
     "sm_count": 132,
     "spec_hash": "37e0ad7ae73797e7",
     "flamia_version": "0.1.0",
@@ -120,6 +121,7 @@ CAUSAL = True
 SM_COUNT = 132
 KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move along their contiguous axis
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
+PAIR_WORDS = 20  # bwd_row_pad: words per column pair (2·ROW_WORDS + 4: the pairs of a quarter warp in distinct banks)
 LOG2E = 1.4426950408889634
 DQ_AMAX_CG = 2  # column groups (2 columns each) per batch of the dQ amax reduce-scatter
 DQ_AMAX_SCATTER = 2  # reduce-scatter rounds (log2 of the batch's columns)
@@ -442,7 +444,7 @@ def row_word(c, which):
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
     two adjacent columns with one 8-byte load. which: 0 = LSE·log2 e, 1 = D, 2 = 2^eq·scale·log2 e,
     3 = 2^eq, 4 = 2^edo, 5 = edo + 127 (dO's UE8M0 code, raw int32 bits: read with f32_bits)."""
-    return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1)
+    return PAIR_WORDS * (c >> 1) + 2 * which + (c & 1)
 
 
 class AttnBwdSm90:
@@ -479,7 +481,7 @@ class AttnBwdSm90:
         self.sdOt_layout = make_smem_layout(self.qk_dtype, (d, m), st)
         self.bytes_kv = 4 * n * d  # K BF16, V, Kᵀ
         self.bytes_q = 5 * m * d  # Q BF16, dO, Qᵀ, dOᵀ
-        self.row_words = ROW_WORDS * m
+        self.row_words = PAIR_WORDS * (m // 2)
 
     @staticmethod
     def can_implement(T, HQ, HKV, D, num_docs=None):

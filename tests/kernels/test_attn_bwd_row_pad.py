@@ -1,0 +1,94 @@
+"""Per-query words without bank conflicts in the FP8 backward (flag `bwd_row_pad`; templates/sm90/attn_bwd.py.j2;
+docs/kernels/attn_bwd.md "Per-query words without bank conflicts").
+
+CPU: the rendered module's own `row_word` is run on Python ints. With the flag every (column, word) has its own slot
+inside the stage's `row_words`, and the column pairs that one quarter warp reads at once (threads t = 0 … 3: pairs
+4·cg + t; 8-byte loads of one word of two columns, 16-byte loads of two words) fall in distinct banks; without it they
+meet two by two, as the H200 profile showed (8 wavefronts per 16-byte load against 4). On by default for the tiles
+with dQ on BF16 (fp8_token, fp8_token_bf16qk), off elsewhere.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.spec import load_specs
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+ON = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
+
+
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
+def _row_word(src: str):
+    """The module's row_word with its constants, and its PARAMS."""
+    tree = ast.parse(src)
+    ns: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ("ROW_WORDS", "PAIR_WORDS", "PARAMS"):
+            ns[node.targets[0].id] = ast.literal_eval(node.value)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "row_word")
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "<row_word>", "exec"), ns)
+    return ns["row_word"], ns
+
+
+def _banks(row_word, c: int, which: int, words: int) -> set:
+    return {(row_word(c, which) + i) % 32 for i in range(words)}
+
+
+def test_on_by_default_for_the_dq_bf16_tiles_only():
+    assert len(ON) == 16
+    for v in BWD:
+        src = render_variant(v)
+        _, ns = _row_word(src)
+        assert (ns["PARAMS"].get("bwd_row_pad") is True) is (v in ON), v.name
+        assert ("PAIR_WORDS" in ns) is (v in ON), v.name
+
+
+@pytest.mark.parametrize("v", [ON[0], next(v for v in ON if v.route == "fp8_token_bf16qk")], ids=lambda v: v.name)
+def test_slots_are_distinct_and_a_quarter_warp_meets_no_bank_twice(v):
+    m = v.param("tile_m")
+    for src, padded in ((render_variant(v), True), (_render(v, bwd_row_pad=False), False)):
+        row_word, ns = _row_word(src)
+        rw = ns["ROW_WORDS"]
+        row_words = (ns["PAIR_WORDS"] * (m // 2)) if padded else rw * m
+        assert f"self.row_words = {'PAIR_WORDS * (m // 2)' if padded else 'ROW_WORDS * m'}" in src
+        slots = [row_word(c, w) for c in range(m) for w in range(rw)]
+        assert len(set(slots)) == len(slots) and 0 <= min(slots) and max(slots) < row_words
+        conflicts = 0
+        for cg in range(m // 8):
+            for w in range(0, rw, 2):
+                # 16-byte load: words (w, w + 1) of columns c, c + 1 (4 words from row_word(c, w)); 8-byte: word w
+                for n_words in (4, 2):
+                    seen: set = set()
+                    for t in range(4):
+                        b = _banks(row_word, 8 * cg + 2 * t, w, n_words)
+                        conflicts += bool(b & seen)
+                        seen |= b
+        assert (conflicts == 0) is padded, conflicts
+
+
+@pytest.mark.parametrize("v", [x for x in BWD if x.route not in ("fp8_token", "fp8_token_bf16qk")
+                               and x.context.get("v_fmt") == "e4m3"][:3], ids=lambda v: v.name)
+def test_flag_renders_on_the_other_fp8_tiles(v):
+    src = _render(v, bwd_row_pad=True)
+    ast.parse(src)
+    assert "PAIR_WORDS = 20" in src and '"bwd_row_pad": True' in src
+
+
+def test_ab_tag():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "bf16"))
+    tagged = [v for t, v in experiment_variants(("norowpad",), base_variants=bwd, experiments=EXPERIMENTS)
+              if t == "norowpad"]
+    assert len(tagged) == 8 and all("PAIR_WORDS" not in _render(v) for v in tagged)
