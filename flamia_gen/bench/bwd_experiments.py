@@ -40,6 +40,9 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 _bf16qk_tile = lambda p: (_qk8(p) and bool(p.get("scores_bf16")) and p.get("q_fmt") == "e4m3"  # noqa: E731
                           and p.get("ds_gran") == "token")
 
+# fp8_pv's tile (BF16 dS and Q, K; E4M3 V, dO, P)
+_pv_tile = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") == "bf16"  # noqa: E731
+
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
@@ -66,7 +69,8 @@ EXPERIMENTS: dict[str, dict] = {
     "nodq16": dict(over={"bwd_dq_bf16": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
                    note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
     # bwd_row_pad (twenty-fifth session; default on the tiles with dQ on BF16): the unpadded per-query words as an A/B
-    "norowpad": dict(over={"bwd_row_pad": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
+    "norowpad": dict(over={"bwd_row_pad": False},
+                     when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p),
                      note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default

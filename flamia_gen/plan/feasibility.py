@@ -111,10 +111,24 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     return True, ""
 
 
+def _bwd_dq_bf16(params: dict) -> bool:
+    """The template's bwd_dq_bf16 (default on): the per-token E4M3 dS tiles (fp8_token, fp8_token_bf16qk)."""
+    plain = (params.get("ds_fmt") == "e4m3" and params.get("ds_gran") == "token" and params.get("q_fmt") == "e4m3"
+             and params.get("do_fmt") == "e4m3"
+             and not (params.get("diag_v") or params.get("diag_k") or params.get("rows_q")))
+    return plain and params.get("bwd_dq_bf16", True)
+
+
+def _bwd_row_pad(params: dict) -> bool:
+    """The template's bwd_row_pad: default on for the bwd_dq_bf16 tiles and fp8_pv's (BF16 dS)."""
+    return params.get("bwd_row_pad", _bwd_dq_bf16(params) or params.get("ds_fmt") == "bf16")
+
+
 def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     """Backward (key tile outer): K and V (and, FP8, Kᵀ; diag_v: per-token V) once per unit; per stage Q and dO (FP8:
     also their K-major copies Qᵀ, dOᵀ; scores_bf16: K and Q in BF16); dS double-buffered for dQ = dS·K; row factors, amax; the
-    fp32 dQ staging tile of the bulk reduce-add (rows of D + 8 words; non-deterministic variants)."""
+    fp32 dQ staging tile of the bulk reduce-add (rows of D + 8 words; non-deterministic variants); bwd_dq_bf16's BF16
+    dS (and K̂ tile), bwd_row_pad's padded per-query words."""
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
     kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
     per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
@@ -127,6 +141,12 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
             kv -= n * d
             per_stage -= m * d
             ds *= 2
+    if elem_bytes == 1 and _bwd_dq_bf16(params):  # dS for dQ in BF16; fp8_token's tile: the BF16 K̂ tile (sK16)
+        ds *= 2
+        if not params.get("scores_bf16"):
+            kv += 2 * n * d
+    if elem_bytes == 1 and _bwd_row_pad(params):  # 4 more words per column pair of per-query words
+        per_stage += 4 * 4 * (m // 2)
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
     if elem_bytes == 1 and params.get("diag_v"):  # the per-token V tile and dp_diag_v's fp32 stash (8 per thread)
         kv += n * d + 8 * 4 * 64 * params["compute_warpgroups"] * 2

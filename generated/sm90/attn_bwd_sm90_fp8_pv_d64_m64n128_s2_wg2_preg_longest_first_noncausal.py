@@ -79,6 +79,7 @@ PARAMS = {
     "bwd_head_section": 2,
     "bwd_dynamic": True,
     "bwd_dq_warp": True,
+    "bwd_row_pad": True,
     "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "d9d0dad80f8fefc6",
@@ -117,6 +118,7 @@ CAUSAL = False
 SM_COUNT = 132
 KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move along their contiguous axis
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
+PAIR_WORDS = 20  # bwd_row_pad: words per column pair (2·ROW_WORDS + 4: the pairs of a quarter warp in distinct banks)
 LOG2E = 1.4426950408889634
 
 
@@ -400,7 +402,7 @@ def row_word(c, which):
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
     two adjacent columns with one 8-byte load. which: 0 = LSE·log2 e, 1 = D, 2 = 2^eq·scale·log2 e,
     3 = 2^eq, 4 = 2^edo, 5 = edo (as fp32)."""
-    return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1)
+    return PAIR_WORDS * (c >> 1) + 2 * which + (c & 1)
 
 
 class AttnBwdSm90:
@@ -435,7 +437,7 @@ class AttnBwdSm90:
         self.sdOt_layout = make_smem_layout(self.qk_dtype, (d, m), st)
         self.bytes_kv = 3 * n * d  # K BF16, V
         self.bytes_q = 4 * m * d  # Q BF16, dO, dOᵀ
-        self.row_words = ROW_WORDS * m
+        self.row_words = PAIR_WORDS * (m // 2)
 
     @staticmethod
     def can_implement(T, HQ, HKV, D, num_docs=None):

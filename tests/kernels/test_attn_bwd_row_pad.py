@@ -5,7 +5,7 @@ CPU: the rendered module's own `row_word` is run on Python ints. With the flag e
 inside the stage's `row_words`, and the column pairs that one quarter warp reads at once (threads t = 0 … 3: pairs
 4·cg + t; 8-byte loads of one word of two columns, 16-byte loads of two words) fall in distinct banks; without it they
 meet two by two, as the H200 profile showed (8 wavefronts per 16-byte load against 4). On by default for the tiles
-with dQ on BF16 (fp8_token, fp8_token_bf16qk), off elsewhere.
+with dQ on BF16 (fp8_token, fp8_token_bf16qk) and fp8_pv's, off on the other FP8 tiles until measured there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
-ON = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
+ROUTES_ON = ("fp8_token", "fp8_token_bf16qk", "fp8_pv")
+ON = [v for v in BWD if v.route in ROUTES_ON]
 
 
 def _render(v, **over) -> str:
@@ -46,7 +47,7 @@ def _banks(row_word, c: int, which: int, words: int) -> set:
 
 
 def test_on_by_default_for_the_dq_bf16_tiles_only():
-    assert len(ON) == 16
+    assert len(ON) == 24  # 3 routes × D 64, 128 × causal or not × deterministic or not
     for v in BWD:
         src = render_variant(v)
         _, ns = _row_word(src)
@@ -54,7 +55,7 @@ def test_on_by_default_for_the_dq_bf16_tiles_only():
         assert ("PAIR_WORDS" in ns) is (v in ON), v.name
 
 
-@pytest.mark.parametrize("v", [ON[0], next(v for v in ON if v.route == "fp8_token_bf16qk")], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", [next(v for v in ON if v.route == r) for r in ROUTES_ON], ids=lambda v: v.name)
 def test_slots_are_distinct_and_a_quarter_warp_meets_no_bank_twice(v):
     m = v.param("tile_m")
     for src, padded in ((render_variant(v), True), (_render(v, bwd_row_pad=False), False)):
@@ -77,7 +78,7 @@ def test_slots_are_distinct_and_a_quarter_warp_meets_no_bank_twice(v):
         assert (conflicts == 0) is padded, conflicts
 
 
-@pytest.mark.parametrize("v", [x for x in BWD if x.route not in ("fp8_token", "fp8_token_bf16qk")
+@pytest.mark.parametrize("v", [x for x in BWD if x.route not in ROUTES_ON
                                and x.context.get("v_fmt") == "e4m3"][:3], ids=lambda v: v.name)
 def test_flag_renders_on_the_other_fp8_tiles(v):
     src = _render(v, bwd_row_pad=True)
@@ -88,7 +89,7 @@ def test_flag_renders_on_the_other_fp8_tiles(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "bf16"))
+    bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16", "mxfp8"))
     tagged = [v for t, v in experiment_variants(("norowpad",), base_variants=bwd, experiments=EXPERIMENTS)
               if t == "norowpad"]
-    assert len(tagged) == 8 and all("PAIR_WORDS" not in _render(v) for v in tagged)
+    assert len(tagged) == 12 and {v.route for v in tagged} == set(ROUTES_ON) and all("PAIR_WORDS" not in _render(v) for v in tagged)

@@ -14,7 +14,7 @@ import torch
 
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
 from flamia_gen.runtime.attention import saves_codes
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from flamia_gen.spec import Arch, load_specs
@@ -41,6 +41,11 @@ def _sbf16_inputs(T=40, HQ=4, HKV=2, D=128):
     return x
 
 
+def _render(v, **over) -> str:
+    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+
+
 def test_shipped_and_fits():
     assert ROUTE in load_specs().families["attn_bwd_sm90"].routes  # since its first H200 run (2026-12-01)
     assert not saves_codes(ROUTE)  # the forward quantizes no Q, K: the backward recomputes their codes
@@ -49,7 +54,9 @@ def test_shipped_and_fits():
         p = dict(v.params)
         assert p["scores_bf16"] is True
         smem = attn_bwd_smem_bytes(p, 1)
-        assert smem == attn_bwd_smem_bytes(dict(p, scores_bf16=False), 1) + 128 * p["head_dim"] + 2 * 64 * p["head_dim"]
+        # + the BF16 K and Q tiles of Sᵀ; − fp8_token's BF16 K̂ tile for dQ (bwd_dq_bf16: this tile's dQ takes the BF16 K)
+        assert smem == (attn_bwd_smem_bytes(dict(p, scores_bf16=False), 1) + 128 * p["head_dim"]
+                        + 2 * 64 * p["head_dim"] - 2 * 128 * p["head_dim"])
         assert smem <= SMEM_LIMIT[Arch.sm90]
 
 
@@ -64,8 +71,10 @@ def test_render_differs_from_fp8_token_only_in_the_scores(v):
     assert "p = ex2(acc_S[i] * qx[cp] - lse2[cp])" in src and "acc_S[i] * kf[rh] * qx[cp]" not in src
     assert "self.gemm(tiled_mma_s, acc_S, tSrK, tSrQ" in src
     assert "vals[4 * j + 2] = scale_log2" in src
-    # dQ still folds 2^ek and dK 2^eq: the codes' factors stay
-    assert "acc_dP[i] * kf[rh]" in src and "row_word(tScS[4 * cg][1], 3)" in src
+    # dK still folds 2^eq (the Qᵀ codes' factor); dQ takes the BF16 k of the scores since 2026-12-04 (bwd_dq_bf16):
+    # no 2^ek fold of dS, which the FP8 dQ (the nodq16 copy) keeps
+    assert "row_word(tScS[4 * cg][1], 3)" in src and "acc_dP[i] * kf[rh]" not in src
+    assert "acc_dP[i] * kf[rh]" in _render(v, bwd_dq_bf16=False)
 
 
 def test_runtime_takes_bf16_q_k_and_fp8_rest():
@@ -116,8 +125,9 @@ def test_fp8_pv_shipped_and_fits():
         p = dict(v.params)
         assert p["scores_bf16"] is True and p["ds_fmt"] == "bf16" and p["q_fmt"] == "bf16" and p["v_fmt"] == "e4m3"
         plain = attn_bwd_smem_bytes(dict(p, scores_bf16=False, ds_fmt="e4m3"), 1)
-        # K, Q BF16 instead of K, Kᵀ, Q, Qᵀ codes (same bytes), dS BF16 (twice the bytes)
-        assert attn_bwd_smem_bytes(p, 1) == plain + 2 * 64 * 128
+        # K, Q BF16 instead of K, Kᵀ, Q, Qᵀ codes (same bytes), dS BF16 (twice the bytes), per-query words padded
+        # (bwd_row_pad: 4 words per column pair, two stages)
+        assert attn_bwd_smem_bytes(p, 1) == plain + 2 * 64 * 128 + 2 * 4 * 4 * 32
         assert attn_bwd_smem_bytes(p, 1) <= SMEM_LIMIT[Arch.sm90]
 
 
