@@ -72,6 +72,10 @@ EXPERIMENTS: dict[str, dict] = {
     "norowpad": dict(over={"bwd_row_pad": False},
                      when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p),
                      note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
+    # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
+    "rowpad": dict(over={"bwd_row_pad": True},
+                   when=lambda p: p.get("v_fmt") == "e4m3" and not (_fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p)),
+                   note="per-query words 2·ROW_WORDS + 4 per column pair (no bank conflicts; the default of fp8_token's)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},

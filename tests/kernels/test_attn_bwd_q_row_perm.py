@@ -41,7 +41,11 @@ def _module_fns(src: str, names):
     tree = ast.parse(src)
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
     assert {f.name for f in fns} == set(names)
-    ns: dict = {"ROW_WORDS": 8}
+    ns: dict = {}
+    for node in tree.body:  # the module's constants (ROW_WORDS, and PAIR_WORDS with bwd_row_pad)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ("ROW_WORDS", "PAIR_WORDS"):
+            ns[node.targets[0].id] = ast.literal_eval(node.value)
     exec(compile(ast.Module(body=fns, type_ignores=[]), "helpers", "exec"), ns)
     return [ns[n] for n in names]
 

@@ -93,3 +93,15 @@ def test_ab_tag():
     tagged = [v for t, v in experiment_variants(("norowpad",), base_variants=bwd, experiments=EXPERIMENTS)
               if t == "norowpad"]
     assert len(tagged) == 12 and {v.route for v in tagged} == set(ROUTES_ON) and all("PAIR_WORDS" not in _render(v) for v in tagged)
+
+
+def test_rowpad_tag_covers_the_other_fp8_tiles():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "fp8_tensor", "mxfp8", "bf16"))
+    tagged = [v for t, v in experiment_variants(("rowpad",), base_variants=bwd, experiments=EXPERIMENTS) if t == "rowpad"]
+    assert {v.route for v in tagged} == {"fp8_tensor", "mxfp8"}
+    for v in tagged:
+        src = _render(v)
+        ast.parse(src)
+        assert "PAIR_WORDS = 20" in src and "PAIR_WORDS" not in render_variant(next(b for b in bwd if b.name in v.name))
