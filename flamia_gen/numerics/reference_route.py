@@ -688,10 +688,11 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
                    scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False):
-    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `dq_bf16` (the backward kernel's experiment flag
-    `bwd_dq_bf16`): dQ = dS·K̂ takes dS unquantized (fp32 here; the kernel's BF16 wgmma rounds it to BF16) with K̂ =
-    K codes·2^ek (on a BF16-score route the BF16 k of QKᵀ itself), so no dQ scale group exists; dK, dV unchanged. `tile_m`, `tile_n`, `key_align`: the
-    backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
+    """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `dq_bf16` (the sm90 backward kernel's flag
+    `bwd_dq_bf16`, on for fp8_token and fp8_token_bf16qk since 2026-12-04; off here by default, the route spec's E4M3
+    dS): dQ = dS·K̂ takes dS unquantized (fp32 here; the kernel's BF16 wgmma rounds it to BF16) with K̂ = K codes·2^ek
+    (on a BF16-score route the BF16 k of QKᵀ itself), so no dQ scale group exists; dK, dV unchanged. `tile_m`,
+    `tile_n`, `key_align`: the backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
     `tile_n`): the *forward's* tiles, whose diagonal decisions the backward repeats (its key tiles
     start at doc_start − δ as well, δ = doc_start mod key_align). `mma="sm90_fp8"`: every product
     whose operands are FP8 codes (QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) under the FP8 tensor-core model, as
