@@ -105,3 +105,15 @@ def test_rowpad_tag_covers_the_other_fp8_tiles():
         src = _render(v)
         ast.parse(src)
         assert "PAIR_WORDS = 20" in src and "PAIR_WORDS" not in render_variant(next(b for b in bwd if b.name in v.name))
+
+
+def test_feasibility_model_agrees_with_the_template():
+    """plan.feasibility sizes shared memory with the template's bwd_dq_bf16 and bwd_row_pad defaults: its predicates
+    must name the same tiles as the rendered PARAMS, on every backward variant."""
+    from flamia_gen.plan.feasibility import _bwd_dq_bf16, _bwd_row_pad
+
+    for v in BWD:
+        p, fp8 = dict(v.params), v.context.get("v_fmt") == "e4m3"
+        _, ns = _row_word(render_variant(v))
+        assert (fp8 and _bwd_dq_bf16(p)) is bool(ns["PARAMS"].get("bwd_dq_bf16")), v.name
+        assert (fp8 and _bwd_row_pad(p)) is bool(ns["PARAMS"].get("bwd_row_pad")), v.name
