@@ -293,10 +293,12 @@ def test_runtime_imports_without_dsl():
 def test_compile_fp8_token_variant(variants, compile_sm90):
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal"))
     ptx = compile_sm90(v)
-    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # Sᵀ, dPᵀ, dQ
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx  # Sᵀ, dPᵀ
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # dV, dK (A from registers)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    assert "atom.shared.max.u32" in ptx  # dQ-scale amax across warpgroups
+    # dQ on BF16 dS (bwd_dq_bf16, default since 2026-12-04): a BF16 wgmma, no dQ-scale amax across warpgroups
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "atom.shared.max.u32" not in ptx
     # dQ reduce-add: one vector red per column pair (profile 2026-11-29: the scalar atomics' stalls
     # were ~20 % of the backward's warp samples); since then (bwd_dq_bulk, default on) the partial goes
     # through shared memory and one bulk reduce-add per row: one per tile copy (bwd_interior_nomask:

@@ -44,7 +44,8 @@ def test_variants_fit_and_carry_the_forward_pairing():
         assert p["ds_gran"] == "square_32" and p["v_gran"] == "token_block"
         assert p["diag_v"] is p["causal"]  # the forward's diagonal safeguard exists only under a causal mask
         smem = attn_bwd_smem_bytes(p, 1)
-        plain = attn_bwd_smem_bytes(dict(p, diag_v=False, ds_gran="token"), 1)
+        # (the per-token dS tile as rendered before dQ went to BF16: bwd_dq_bf16 off)
+        plain = attn_bwd_smem_bytes(dict(p, diag_v=False, ds_gran="token", bwd_dq_bf16=False), 1)
         # the diagonal V tile and stash (causal), the warps' block maxima, and (bwd_sq32_windows) each key row's
         # max and each query's group key
         extra = (128 * p["head_dim"] + 8 * 4 * 256 if p["causal"] else 0) + 64 + 4 * (128 + 64)
