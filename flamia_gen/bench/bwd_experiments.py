@@ -72,6 +72,9 @@ EXPERIMENTS: dict[str, dict] = {
     "norowpad": dict(over={"bwd_row_pad": False},
                      when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p),
                      note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
+    # bwd_row_swz (twenty-fifth session, built, not yet run): the same banks by an XOR of the word offset, no padding
+    "rowswz": dict(over={"bwd_row_swz": True}, when=lambda p: p.get("v_fmt") == "e4m3",
+                   note="per-query words XOR-swizzled (t = 2, 3 read offset ^ 8): no bank conflicts, no padding"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not (_fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p)),

@@ -117,3 +117,30 @@ def test_feasibility_model_agrees_with_the_template():
         _, ns = _row_word(render_variant(v))
         assert (fp8 and _bwd_dq_bf16(p)) is bool(ns["PARAMS"].get("bwd_dq_bf16")), v.name
         assert (fp8 and _bwd_row_pad(p)) is bool(ns["PARAMS"].get("bwd_row_pad")), v.name
+
+
+@pytest.mark.parametrize("v", [next(v for v in ON if v.route == r) for r in ROUTES_ON]
+                         + [next(x for x in BWD if x.route == "mxfp8")], ids=lambda v: v.name)
+def test_swizzle_keeps_the_slots_and_meets_no_bank_twice(v):
+    """bwd_row_swz (experiment): the unpadded 16 words a pair, offsets XOR 8 for threads t = 2, 3; every slot distinct,
+    the 16-byte groups of two words × two columns still contiguous, no quarter warp meets a bank twice."""
+    m = v.param("tile_m")
+    src = _render(v, bwd_row_swz=True)
+    row_word, ns = _row_word(src)
+    assert "PAIR_WORDS" not in ns and ns["PARAMS"]["bwd_row_swz"] is True and "bwd_row_pad" not in ns["PARAMS"]
+    rw = ns["ROW_WORDS"]
+    slots = [row_word(c, w) for c in range(m) for w in range(rw)]
+    assert len(set(slots)) == len(slots) and max(slots) < rw * m
+    for cg in range(m // 8):
+        for t in range(4):
+            c = 8 * cg + 2 * t
+            for w in range(0, rw, 2):
+                assert [row_word(c + d, w + e) for e in (0, 1) for d in (0, 1)] == list(range(row_word(c, w),
+                                                                                              row_word(c, w) + 4))
+        for w in range(0, rw, 2):
+            for n_words in (4, 2):
+                seen: set = set()
+                for t in range(4):
+                    b = _banks(row_word, 8 * cg + 2 * t, w, n_words)
+                    assert not b & seen
+                    seen |= b
