@@ -75,6 +75,9 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_row_swz (twenty-fifth session, built, not yet run): the same banks by an XOR of the word offset, no padding
     "rowswz": dict(over={"bwd_row_swz": True}, when=lambda p: p.get("v_fmt") == "e4m3",
                    note="per-query words XOR-swizzled (t = 2, 3 read offset ^ 8): no bank conflicts, no padding"),
+    # bwd_no_kt (twenty-fifth session, built, not yet run): the dQ-on-BF16 tiles stop loading the Kᵀ codes nothing reads
+    "nokt": dict(over={"bwd_no_kt": True}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
+                 note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not (_fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p)),

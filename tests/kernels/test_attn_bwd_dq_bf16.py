@@ -165,3 +165,24 @@ def test_compile_dq_bf16(compile_sm90):
     ptx = compile_sm90(v, source=render_variant(v))
     assert "atom.shared.max" not in ptx and "red.shared.max" not in ptx
     assert ".bf16.bf16" in ptx
+
+
+@pytest.mark.parametrize("v", [next(v for v in TILE if v.param("causal")), next(v for v in BQK if v.param("causal"))],
+                         ids=lambda v: v.name)
+def test_no_kt_drops_the_kt_load_and_its_bytes(v):
+    """bwd_no_kt (experiment, off): the producer issues no Kᵀ copy and the K/V stage expects n·d bytes fewer."""
+    on, off = _render(v, bwd_no_kt=True), render_variant(v)
+    ast.parse(on)
+    assert _params(on)["bwd_no_kt"] is True and "bwd_no_kt" not in _params(off)
+    assert "cute.copy(tma_atom_kt, tKtgKt, tKtsKt, tma_bar_ptr=bar)" in off
+    assert "tma_atom_kt, tKtgKt" not in on
+    assert "self.bytes_kv -= n * d" in on and "self.bytes_kv -= n * d" not in off
+    # only that line differs in the stage's byte count (the rest of the template is the default's)
+    base = [ln for ln in off.splitlines() if "self.bytes_kv" in ln]
+    assert [ln for ln in on.splitlines() if "self.bytes_kv" in ln and "-=" not in ln] == base
+
+
+@pytest.mark.parametrize("v", _refused()[:3] + [next(x for x in TILE if x.param("causal"))], ids=lambda v: v.name)
+def test_no_kt_refused_without_dq_bf16(v):
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_no_kt"):
+        _render(v, bwd_no_kt=True, **({"bwd_dq_bf16": False} if v.route == "fp8_token" else {}))
