@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 
+from ..plan.feasibility import bwd_dq_bf16, bwd_row_pad  # the template's defaults, as the smem model reads them
 from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, wl_key, build_variants_bundle, experiment_cli, experiment_table,
                               experiment_variants, matches_any, print_experiments, run_entries,  # noqa: F401
                               doc_rows, run_exit_code, select_entries, split_name, split_tags)
@@ -35,13 +36,6 @@ _qk8 = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") != "bf16"  # noqa:
 _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt", "k_fmt", "do_fmt", "ds_fmt"))  # noqa: E731
                              and p.get("q_gran") == "token" and p.get("ds_gran") == "token"
                              and not (p.get("diag_v") or p.get("diag_k") or p.get("rows_q") or p.get("scores_bf16")))
-
-# fp8_token_bf16qk's tile (BF16 Sᵀ, E4M3 per-token dS and Q, K codes for dK, dQ): where bwd_dq_bf16 takes the BF16 k
-_bf16qk_tile = lambda p: (_qk8(p) and bool(p.get("scores_bf16")) and p.get("q_fmt") == "e4m3"  # noqa: E731
-                          and p.get("ds_gran") == "token")
-
-# fp8_pv's tile (BF16 dS and Q, K; E4M3 V, dO, P)
-_pv_tile = lambda p: p.get("v_fmt") == "e4m3" and p.get("ds_fmt") == "bf16"  # noqa: E731
 
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
@@ -66,21 +60,20 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_dq_bf16 (built 2026-12-04 as tag dq16, the default since the twenty-fifth session; a numerics change of the dQ
     # product, emulator dq_bf16): the kernel without it (dQ = dS̃·K on FP8) as an A/B copy against the default
     # (fp8_token_bf16qk's BF16-score tile too since the twenty-fifth session: its dQ takes the BF16 k of Sᵀ)
-    "nodq16": dict(over={"bwd_dq_bf16": False}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
+    "nodq16": dict(over={"bwd_dq_bf16": False}, when=bwd_dq_bf16,
                    note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
     # bwd_row_pad (twenty-fifth session; default on the tiles with dQ on BF16): the unpadded per-query words as an A/B
-    "norowpad": dict(over={"bwd_row_pad": False},
-                     when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p),
+    "norowpad": dict(over={"bwd_row_pad": False}, when=bwd_row_pad,
                      note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
     # bwd_row_swz (twenty-fifth session, built, not yet run): the same banks by an XOR of the word offset, no padding
     "rowswz": dict(over={"bwd_row_swz": True}, when=lambda p: p.get("v_fmt") == "e4m3",
                    note="per-query words XOR-swizzled (t = 2, 3 read offset ^ 8): no bank conflicts, no padding"),
     # bwd_no_kt (twenty-fifth session, built, not yet run): the dQ-on-BF16 tiles stop loading the Kᵀ codes nothing reads
-    "nokt": dict(over={"bwd_no_kt": True}, when=lambda p: _fp8_token_tile(p) or _bf16qk_tile(p),
+    "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
-                   when=lambda p: p.get("v_fmt") == "e4m3" and not (_fp8_token_tile(p) or _bf16qk_tile(p) or _pv_tile(p)),
+                   when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),
                    note="per-query words 2·ROW_WORDS + 4 per column pair (no bank conflicts; the default of fp8_token's)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default

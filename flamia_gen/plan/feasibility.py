@@ -111,17 +111,22 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
     return True, ""
 
 
-def _bwd_dq_bf16(params: dict) -> bool:
-    """The template's bwd_dq_bf16 (default on): the per-token E4M3 dS tiles (fp8_token, fp8_token_bf16qk)."""
-    plain = (params.get("ds_fmt") == "e4m3" and params.get("ds_gran") == "token" and params.get("q_fmt") == "e4m3"
-             and params.get("do_fmt") == "e4m3"
-             and not (params.get("diag_v") or params.get("diag_k") or params.get("rows_q")))
-    return plain and params.get("bwd_dq_bf16", True)
+def bwd_dq_bf16(params: dict) -> bool:
+    """Whether templates/sm90/attn_bwd.py.j2 renders these backward params with bwd_dq_bf16 (default on): the per-token
+    E4M3 dS tiles (fp8_token, fp8_token_bf16qk), unless the params turn it off. Also what bench.bwd_experiments' A/B
+    tags select on."""
+    tile = (params.get("v_fmt") == "e4m3" and params.get("ds_fmt") == "e4m3" and params.get("ds_gran") == "token"
+            and params.get("q_fmt") == "e4m3" and params.get("do_fmt") == "e4m3"
+            and not (params.get("diag_v") or params.get("diag_k") or params.get("rows_q")))
+    return bool(tile and params.get("bwd_dq_bf16", True))
 
 
-def _bwd_row_pad(params: dict) -> bool:
-    """The template's bwd_row_pad: default on for the bwd_dq_bf16 tiles and fp8_pv's (BF16 dS)."""
-    return params.get("bwd_row_pad", _bwd_dq_bf16(params) or params.get("ds_fmt") == "bf16")
+def bwd_row_pad(params: dict) -> bool:
+    """Whether the template renders bwd_row_pad: FP8 tiles only, not with bwd_row_swz; default on for the bwd_dq_bf16
+    tiles and fp8_pv's (BF16 dS)."""
+    if params.get("v_fmt") != "e4m3" or params.get("bwd_row_swz"):
+        return False
+    return bool(params.get("bwd_row_pad", bwd_dq_bf16(params) or params.get("ds_fmt") == "bf16"))
 
 
 def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
@@ -141,11 +146,11 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
             kv -= n * d
             per_stage -= m * d
             ds *= 2
-    if elem_bytes == 1 and _bwd_dq_bf16(params):  # dS for dQ in BF16; fp8_token's tile: the BF16 K̂ tile (sK16)
+    if elem_bytes == 1 and bwd_dq_bf16(params):  # dS for dQ in BF16; fp8_token's tile: the BF16 K̂ tile (sK16)
         ds *= 2
         if not params.get("scores_bf16"):
             kv += 2 * n * d
-    if elem_bytes == 1 and _bwd_row_pad(params):  # 4 more words per column pair of per-query words
+    if elem_bytes == 1 and bwd_row_pad(params):  # 4 more words per column pair of per-query words
         per_stage += 4 * 4 * (m // 2)
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4
     if elem_bytes == 1 and params.get("diag_v"):  # the per-token V tile and dp_diag_v's fp32 stash (8 per thread)

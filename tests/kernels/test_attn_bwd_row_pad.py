@@ -15,18 +15,15 @@ import ast
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant
 from flamia_gen.spec import load_specs
+
+from test_attn_bwd_template import _render_with as _render
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 ROUTES_ON = ("fp8_token", "fp8_token_bf16qk", "fp8_pv")
 ON = [v for v in BWD if v.route in ROUTES_ON]
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _row_word(src: str):
@@ -92,7 +89,8 @@ def test_ab_tag():
     bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16", "mxfp8"))
     tagged = [v for t, v in experiment_variants(("norowpad",), base_variants=bwd, experiments=EXPERIMENTS)
               if t == "norowpad"]
-    assert len(tagged) == 12 and {v.route for v in tagged} == set(ROUTES_ON) and all("PAIR_WORDS" not in _render(v) for v in tagged)
+    assert len(tagged) == 12 and {v.route for v in tagged} == set(ROUTES_ON)
+    assert all("PAIR_WORDS" not in _render(v) for v in tagged)
 
 
 def test_rowpad_tag_covers_the_other_fp8_tiles():
@@ -110,13 +108,21 @@ def test_rowpad_tag_covers_the_other_fp8_tiles():
 def test_feasibility_model_agrees_with_the_template():
     """plan.feasibility sizes shared memory with the template's bwd_dq_bf16 and bwd_row_pad defaults: its predicates
     must name the same tiles as the rendered PARAMS, on every backward variant."""
-    from flamia_gen.plan.feasibility import _bwd_dq_bf16, _bwd_row_pad
+    from flamia_gen.plan.feasibility import bwd_dq_bf16, bwd_row_pad
 
     for v in BWD:
-        p, fp8 = dict(v.params), v.context.get("v_fmt") == "e4m3"
+        p = dict(v.params)
         _, ns = _row_word(render_variant(v))
-        assert (fp8 and _bwd_dq_bf16(p)) is bool(ns["PARAMS"].get("bwd_dq_bf16")), v.name
-        assert (fp8 and _bwd_row_pad(p)) is bool(ns["PARAMS"].get("bwd_row_pad")), v.name
+        assert bwd_dq_bf16(p) is bool(ns["PARAMS"].get("bwd_dq_bf16")), v.name
+        assert bwd_row_pad(p) is bool(ns["PARAMS"].get("bwd_row_pad")), v.name
+        # and under the A/B copies' overrides
+        for over in ({"bwd_row_swz": True}, {"bwd_row_pad": False}, {"bwd_dq_bf16": False}):
+            if "bwd_dq_bf16" in over and not bwd_dq_bf16(p):
+                continue  # the template refuses the flag there
+            _, ns = _row_word(_render(v, **over))
+            q = dict(p, **over)
+            assert bwd_dq_bf16(q) is bool(ns["PARAMS"].get("bwd_dq_bf16")), (v.name, over)
+            assert bwd_row_pad(q) is bool(ns["PARAMS"].get("bwd_row_pad")), (v.name, over)
 
 
 @pytest.mark.parametrize("v", [next(v for v in ON if v.route == r) for r in ROUTES_ON]

@@ -14,12 +14,12 @@ import torch
 
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant
 from flamia_gen.runtime.attention import saves_codes
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from flamia_gen.spec import Arch, load_specs
 
-from test_attn_bwd_template import _fp8_inputs
+from test_attn_bwd_template import _fp8_inputs, _render_with as _render
 from test_attn_fwd_template import _literals
 
 ROUTE = "fp8_token_bf16qk"
@@ -39,11 +39,6 @@ def _sbf16_inputs(T=40, HQ=4, HKV=2, D=128):
     x = _fp8_inputs(T, HQ, HKV, D)
     x.update(q=torch.zeros(T, HQ, D, dtype=torch.bfloat16), k=torch.zeros(T, HKV, D, dtype=torch.bfloat16))
     return x
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def test_shipped_and_fits():
