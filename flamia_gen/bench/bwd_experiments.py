@@ -71,6 +71,10 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_no_kt (twenty-fifth session, built, not yet run): the dQ-on-BF16 tiles stop loading the Kᵀ codes nothing reads
     "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
+    # bwd_dq_first (twenty-sixth session, experiment): the BF16-dQ tiles issue dK after dQ and wait for dQ only
+    "dqfirst": dict(over={"bwd_dq_first": True},
+                    when=bwd_dq_bf16,
+                    note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),
