@@ -203,19 +203,52 @@ def _build(specs_dir, arch, routes, jobs, force, names=None):
 @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True)
 @click.option("--force", is_flag=True, help="ignore the cache")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def build(specs_dir, arch, routes, names, jobs, force, json_out):
+@click.option("--sass-check", is_flag=True,
+              help="read every attention kernel's SASS (nvdisasm, cuobjdump: PATH, $FLAMIA_GEN_CUDA_BIN or the "
+                   "nvidia-cuda-nvdisasm / -cuobjdump wheels) and fail if ptxas serialised a tile loop's wgmmas")
+def build(specs_dir, arch, routes, names, jobs, force, json_out, sass_check):
     """Cross-compile variants ahead of time (CUTE_DSL_ARCH, fake tensors) into cached .so files."""
     _, results = _build(specs_dir, arch, routes, jobs, force, names)
     console.print(_status_table(results, f"build --arch {arch}"))
     failed = [r for r in results if r.status == "failed"]
     if arch == "sm100":
         console.print("[yellow]sm100: compiled, not executed (no Blackwell GPU here)[/yellow]")
+    sass = _sass_check(results) if sass_check else {}
     if json_out:
-        Path(json_out).write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v
-                                               for k, v in r.__dict__.items() if k != "source"}
+        Path(json_out).write_text(json.dumps([dict({k: str(v) if isinstance(v, Path) else v
+                                                    for k, v in r.__dict__.items() if k != "source"},
+                                                   **({"sass": sass[r.name]} if r.name in sass else {}))
                                               for r in results], indent=1))
     if failed:
         raise click.ClickException(f"{len(failed)} of {len(results)} variants failed to compile")
+    bad = sorted(n for n, d in sass.items() if d["serialised"])
+    if bad:
+        raise click.ClickException(f"{len(bad)} kernels have serialised wgmmas (ptxas C7512): {', '.join(bad)}")
+
+
+def _sass_check(results) -> dict:
+    """{variant: SASS summary} of the attention kernels built: registers, stack, and per tile loop the instructions,
+    wgmmas, how many were waited for one by one, spills. A tile loop whose wgmmas are waited for one by one is what
+    ptxas does when an in-flight wgmma's registers are touched or the consumers run out of them: a silent slowdown no
+    test on the CPU would otherwise see."""
+    from .bench.sass import describe, serialised
+
+    out = {}
+    for r in results:
+        if r.so is None or not r.name.startswith("attn_"):
+            continue
+        try:
+            d = describe(str(r.so))
+        except SystemExit as e:  # no nvdisasm / cuobjdump: say how to get them
+            raise click.ClickException(str(e)) from None
+        out[r.name] = dict(reg=d["reg"], stack=d["stack"], loops=d["loops"],
+                           serialised=any(serialised(lp) for lp in d["loops"]))
+    worst = sorted(out.items(), key=lambda kv: -max((lp["stl"] + lp["ldl"] for lp in kv[1]["loops"]), default=0))
+    console.print(f"SASS: {len(out)} attention kernels, {sum(d['serialised'] for d in out.values())} with serialised "
+                  f"wgmmas; most spill traffic in a tile loop: "
+                  + ", ".join(f"{n} ({max(lp['stl'] + lp['ldl'] for lp in d['loops'])})" for n, d in worst[:3]
+                              if d["loops"]))
+    return out
 
 
 @main.command()

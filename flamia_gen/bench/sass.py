@@ -78,11 +78,31 @@ def tile_loops(sass: str, mma: str = "GMMA") -> list[dict]:
         if g:
             loops.append(dict(label=m.group(1), start=labels[m.group(1)], end=n, instructions=len(body), wgmma=g,
                               stl=sum("STL" in x for x in body), ldl=sum("LDL" in x for x in body),
-                              ex2=sum("MUFU.EX2" in x for x in body), bar=sum(" BAR." in x for x in body)))
+                              ex2=sum("MUFU.EX2" in x for x in body), bar=sum(" BAR." in x for x in body),
+                              waited=waited_wgmma(body, mma)))
     # innermost: a loop that contains no other listed loop
     inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
                                            for o in loops)]
     return sorted(inner, key=lambda lp: lp["start"])
+
+
+def waited_wgmma(body: list[str], mma: str = "GMMA") -> int:
+    """How many `mma` instructions of `body` are waited for (WARPGROUP.DEPBAR) before the next one issues. A kernel
+    waits once per product or group of products (Sᵀ and dPᵀ: one wait for 8 k-steps); when ptxas serialises the
+    wgmmas (C7512: registers an in-flight wgmma owns are touched, or the consumers ran out of them) every one is
+    waited for, a silent 2× on the tensor cores that only the SASS shows (`serialised`)."""
+    waited, pending = 0, False
+    for x in body:
+        if mma in x:
+            pending = True
+        elif "WARPGROUP.DEPBAR" in x and pending:
+            waited, pending = waited + 1, False
+    return waited
+
+
+def serialised(loop: dict) -> bool:
+    """A tile loop whose wgmmas are (mostly) waited for one by one: ptxas serialised them."""
+    return loop["wgmma"] >= 4 and 2 * loop["waited"] > loop["wgmma"]
 
 
 def _tool(name: str) -> str:
@@ -104,7 +124,7 @@ def _tool(name: str) -> str:
 
 
 def describe(so: str, dump: str | None = None) -> dict:
-    """{resources, loops} of the (single) kernel cubin in `so`."""
+    """{resources, loops} of the (single) kernel cubin in `so` (a bundle `.so` or the build's `.o`)."""
     cubins = extract_cubins(Path(so).read_bytes())
     if not cubins:
         raise SystemExit(f"{so}: no embedded sm_XX cubin found")
@@ -129,7 +149,8 @@ def main(argv=None) -> int:
         d = describe(so, a.dump if k == 0 else None)
         print(f"{Path(so).name}: {d['instructions']} instructions, REG {d['reg']}, STACK {d['stack']} B")
         for lp in d["loops"]:
-            print(f"  tile loop {lp['label']}: {lp['instructions']} instr, {lp['wgmma']} wgmma, "
+            print(f"  tile loop {lp['label']}: {lp['instructions']} instr, {lp['wgmma']} wgmma "
+                  f"({lp['waited']} waited{', SERIALISED' if serialised(lp) else ''}), "
                   f"STL {lp['stl']} / LDL {lp['ldl']}, EX2 {lp['ex2']}, BAR {lp['bar']}")
     return 0
 

@@ -75,3 +75,35 @@ def test_tile_loops_past_64_kib_of_code():
     ])
     loops = tile_loops(sass)
     assert len(loops) == 1 and loops[0]["instructions"] == 5 and loops[0]["wgmma"] == 1
+
+
+def _loop(groups: list[int], wait_each: bool) -> str:
+    """A tile loop of wgmma groups (k-steps each), waited once per group or after every wgmma (ptxas C7512)."""
+    lines, a = [".L_x_5:"], 0
+    for g in groups:
+        for _ in range(g):
+            lines.append(f"        /*{a:04x}*/ QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24 ;")
+            a += 16
+            if wait_each:
+                lines.append(f"        /*{a:04x}*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;")
+                a += 16
+        if not wait_each:
+            lines.append(f"        /*{a:04x}*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;")
+            a += 16
+        lines.append(f"        /*{a:04x}*/ FMUL R2, R2, R3 ;")
+        a += 16
+    lines.append(f"        /*{a:04x}*/ @P0 BRA `(.L_x_5) ;")
+    return "\n".join(lines)
+
+
+def test_serialised_wgmma_is_told_from_grouped_waits():
+    """One wait per product group (8 k-steps of Sᵀ and dPᵀ, 4 of dV and dK, 8 of dQ) is the normal shape; a wait after
+    every wgmma is ptxas serialising them (fp8_pv's tile with dK after dQ: 52 of 52 waited)."""
+    from flamia_gen.bench.sass import serialised
+
+    ok, bad = tile_loops(_loop([8, 4, 8], False))[0], tile_loops(_loop([8, 4, 8], True))[0]
+    assert (ok["wgmma"], ok["waited"], serialised(ok)) == (20, 3, False)
+    assert (bad["wgmma"], bad["waited"], serialised(bad)) == (20, 20, True)
+    # a wait with no wgmma issued since the last one counts once
+    two = tile_loops(_loop([2], False).replace("FMUL R2, R2, R3", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))[0]
+    assert two["waited"] == 1 and not serialised(two)

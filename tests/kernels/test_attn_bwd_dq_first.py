@@ -1,0 +1,100 @@
+"""dK issued after dQ in the backward's dQ-on-BF16 tiles (flag `bwd_dq_first`, experiment, off;
+templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dK after dQ").
+
+CPU: off in every default render; where the flag renders, one_tile issues dK = dSᵀ·Q right after dQ = dS·K, waits with
+one group left in flight (dK), and releases the Q stage (dK's B operand) only after a full wait at the tile's end;
+refused where dQ is not on BF16. `-m compile`: cross-compiles for sm_90a without ptxas serialising the wgmmas (the
+SASS; fp8_pv's tile did serialise with it, which is why the flag is built for the dq16 tiles only).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import jinja2
+import pytest
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import render_variant
+from flamia_gen.spec import load_specs
+
+from test_attn_bwd_template import _render_with as _render
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
+
+
+def _params(src: str) -> dict:
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
+    return ast.literal_eval(node.value)
+
+
+def _one_tile(src: str) -> str:
+    start = src.index("    def one_tile(")
+    return src[start:src.index("\n    @cute.jit", start)]
+
+
+def test_off_by_default():
+    for v in BWD:
+        assert "bwd_dq_first" not in _params(render_variant(v)), v.name
+
+
+@pytest.mark.parametrize("v", [next(v for v in DQ16 if v.route == r and v.param("causal")
+                                    and v.param("head_dim") == d) for r in ("fp8_token", "fp8_token_bf16qk")
+                               for d in (64, 128)], ids=lambda v: v.name)
+def test_dk_after_dq_and_the_stage_released_after_dk(v):
+    on, off = _one_tile(_render(v, bwd_dq_first=True)), _one_tile(render_variant(v))
+    assert _params(_render(v, bwd_dq_first=True))["bwd_dq_first"] is True
+    dk = "self.gemm(tiled_mma_dkv, acc_dK, tdKrdS,"
+    dq = "self.gemm(tiled_mma_dq, acc_dQ,"
+    for src, first in ((on, True), (off, False)):
+        assert src.count(dk) == 1 and src.count(dq) == 1
+        assert (src.index(dk) > src.index(dq)) is first
+        waits = re.findall(r"warpgroup\.wait_group\((\d)\)", src)
+        assert ("1" in waits) is first
+        # the Q stage (dK's B) is released after the last wait of the tile, never between dK's issue and its wait
+        rel = src.index("pipe_q.consumer_release(q_state)")
+        last_wait = src.rindex("warpgroup.wait_group(0)")
+        assert (rel > last_wait) if first else (rel > src.index(dq))
+        if first:
+            assert src.index(dk) < src.index("warpgroup.wait_group(1)") < rel
+            assert src[last_wait:rel].count("\n") <= 2  # released right after the full wait
+
+
+@pytest.mark.parametrize("v", [next(x for x in BWD if x.route == r) for r in ("fp8_pv", "bf16", "mxfp8", "fp8_tensor")]
+                         + [next(x for x in DQ16 if x.route == "fp8_token")], ids=lambda v: v.name)
+def test_refused_without_dq_on_bf16(v):
+    over = {"bwd_dq_bf16": False} if v.route == "fp8_token" else {}
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_first"):
+        _render(v, bwd_dq_first=True, **over)
+
+
+def test_ab_tag():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"))
+    tagged = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS)
+              if t == "dqfirst"]
+    assert {v.route for v in tagged} == {"fp8_token", "fp8_token_bf16qk"} and len(tagged) == 8
+    assert all('"bwd_dq_first": True' in _render(v) for v in tagged)
+
+
+@pytest.mark.compile
+def test_compile_dq_first_not_serialised(compile_sm90, tmp_path):
+    """The flagged fp8_token D = 128 tile compiles for sm_90a and ptxas keeps its wgmmas asynchronous (the SASS)."""
+    from flamia_gen.bench.sass import _tool, describe, serialised
+
+    try:
+        _tool("nvdisasm"), _tool("cuobjdump")
+    except SystemExit as e:
+        pytest.skip(str(e))
+
+    v = next(x for x in DQ16 if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+    ptx = compile_sm90(v, source=_render(v, bwd_dq_first=True))
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    loops = describe(str(tmp_path / f"{v.name}.o"))["loops"]
+    assert loops and not any(serialised(lp) for lp in loops), loops
