@@ -231,16 +231,16 @@ def _sass_check(results) -> dict:
     wgmmas, how many were waited for one by one, spills. A tile loop whose wgmmas are waited for one by one is what
     ptxas does when an in-flight wgmma's registers are touched or the consumers run out of them: a silent slowdown no
     test on the CPU would otherwise see."""
-    from .bench.sass import describe, serialised
+    from .bench.sass import describe, missing_tools, serialised
 
+    why = missing_tools()
+    if why:
+        raise click.ClickException(why)
     out = {}
     for r in results:
         if r.so is None or not r.name.startswith("attn_"):
             continue
-        try:
-            d = describe(str(r.so))
-        except SystemExit as e:  # no nvdisasm / cuobjdump: say how to get them
-            raise click.ClickException(str(e)) from None
+        d = describe(str(r.so))
         out[r.name] = dict(reg=d["reg"], stack=d["stack"], loops=d["loops"],
                            serialised=any(serialised(lp) for lp in d["loops"]))
     worst = sorted(out.items(), key=lambda kv: -max((lp["stl"] + lp["ldl"] for lp in kv[1]["loops"]), default=0))

@@ -105,6 +105,15 @@ def serialised(loop: dict) -> bool:
     return loop["wgmma"] >= 4 and 2 * loop["waited"] > loop["wgmma"]
 
 
+def missing_tools() -> str | None:
+    """Why the SASS cannot be read on this host (no nvdisasm or cuobjdump), or None when it can."""
+    try:
+        _tool("nvdisasm"), _tool("cuobjdump")
+    except SystemExit as e:
+        return str(e)
+    return None
+
+
 def _tool(name: str) -> str:
     for d in (os.environ.get("FLAMIA_GEN_CUDA_BIN"),):
         if d and (Path(d) / name).exists():

@@ -9,12 +9,12 @@ SASS; fp8_pv's tile did serialise with it, which is why the flag is built for th
 
 from __future__ import annotations
 
-import ast
 import re
 
 import jinja2
 import pytest
 
+from flamia_gen.build.bundle import _module_literal
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant
 from flamia_gen.spec import load_specs
@@ -27,9 +27,7 @@ DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
 
 
 def _params(src: str) -> dict:
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
-    return ast.literal_eval(node.value)
+    return _module_literal(src, "PARAMS")
 
 
 def _one_tile(src: str) -> str:
@@ -85,12 +83,10 @@ def test_ab_tag():
 @pytest.mark.compile
 def test_compile_dq_first_not_serialised(compile_sm90, tmp_path):
     """The flagged fp8_token D = 128 tile compiles for sm_90a and ptxas keeps its wgmmas asynchronous (the SASS)."""
-    from flamia_gen.bench.sass import _tool, describe, serialised
+    from flamia_gen.bench.sass import describe, missing_tools, serialised
 
-    try:
-        _tool("nvdisasm"), _tool("cuobjdump")
-    except SystemExit as e:
-        pytest.skip(str(e))
+    if missing_tools():
+        pytest.skip(missing_tools())
 
     v = next(x for x in DQ16 if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))

@@ -177,12 +177,10 @@ def test_compile_no_wgmma_serialisation(compile_sm90, tmp_path, route):
     """ptxas serialises every wgmma when the consumers run out of registers (C7512: it did for fp8_pv before
     dS went to shared memory ahead of the dK wgmma): read from the SASS of the compiled object (the DSL's own
     compile does not report it; `flamia_gen.bench.sass` counts the wgmmas waited for one by one)."""
-    from flamia_gen.bench.sass import _tool, describe, serialised
+    from flamia_gen.bench.sass import describe, missing_tools, serialised
 
-    try:
-        _tool("nvdisasm"), _tool("cuobjdump")
-    except SystemExit as e:
-        pytest.skip(str(e))
+    if missing_tools():
+        pytest.skip(missing_tools())
     v = next(v for v in _variants(route) if v.param("head_dim") == 128 and v.param("causal")
              and not dict(v.params).get("deterministic"))
     compile_sm90(v)
