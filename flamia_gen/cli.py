@@ -272,6 +272,23 @@ def bundle(specs_dir, arch, routes, names, jobs, out_dir):
         raise click.ClickException("some variants failed to compile and are not in the bundle")
 
 
+@main.command("bundle-merge")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), required=True)
+def bundle_merge(sources, out_dir):
+    """Merge bundles built by the same toolchain into one (e.g. an A/B build and the table's kernels for one GPU call);
+    every kernel is checked against its manifest first, a variant in two sources must be the same file."""
+    from .build.bundle import merge_bundles
+    from .runtime.bundle import BundleError
+
+    try:
+        m = merge_bundles(Path(out_dir), [Path(s) for s in sources])
+    except BundleError as e:
+        raise click.ClickException(str(e)) from None
+    console.print(f"bundle {out_dir}: {len(m['variants'])} variants from {len(sources)} bundles, arch {m['arch']}, "
+                  f"DSL {m['dsl_version']}")
+
+
 # ---------------------------------------------------------------- verify
 @main.command()
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)

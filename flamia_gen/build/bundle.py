@@ -120,3 +120,62 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
     }
     atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest
+
+
+# manifest fields every merged bundle must share: the loader unpacks one runtime and calls every kernel the same way
+_MERGE_SAME = ("format", "arch", "dsl_version", "tvm_ffi_version")
+
+
+def merge_bundles(out_dir: Path, sources: list[Path]) -> dict:
+    """One bundle holding the variants of several built by the same toolchain (format, arch, DSL, tvm-ffi and runtime
+    equal): e.g. an A/B build and the table's kernels carried to the GPU host in one folder. Every kernel file is
+    checked against its own manifest's sha256 before it is copied; a variant in two sources must be the same file
+    (the same sha256), else the merge fails naming it. The manifest is written last, atomically, as write_bundle's."""
+    from ..runtime.bundle import BundleError, read_manifest
+
+    if not sources:
+        raise BundleError("merge: no source bundles given")
+    out_dir = Path(out_dir)
+    srcs = [Path(s) for s in sources]
+    if any(s.resolve() == out_dir.resolve() for s in srcs):
+        raise BundleError(f"merge: the output {out_dir} is one of the sources; write to a new folder")
+    manifests = [read_manifest(s) for s in srcs]
+    first = manifests[0]
+    for s, m in zip(srcs[1:], manifests[1:]):
+        for key in _MERGE_SAME:
+            if m.get(key) != first.get(key):
+                raise BundleError(f"merge: {s} has {key} {m.get(key)!r}, {srcs[0]} has {first.get(key)!r}; "
+                                  "rebuild one of them with the other's toolchain")
+        if m["runtime"]["sha256"] != first["runtime"]["sha256"]:
+            raise BundleError(f"merge: {s} carries another DSL runtime (sha256 {m['runtime']['sha256'][:16]}…) than "
+                              f"{srcs[0]} ({first['runtime']['sha256'][:16]}…)")
+    entries: dict[str, tuple[dict, Path]] = {}
+    for s, m in zip(srcs, manifests):
+        for e in m["variants"]:
+            path = s / e["file"]
+            if not path.exists() or sha256_file(path) != e["sha256"]:
+                raise BundleError(f"merge: {path}: missing or its sha256 does not match {s}'s manifest (corrupt bundle)")
+            if e["name"] in entries:
+                if entries[e["name"]][0]["sha256"] != e["sha256"]:
+                    raise BundleError(f"merge: variant {e['name']!r} is in {entries[e['name']][1]} and {s} with "
+                                      "different kernels (built from different sources); keep one")
+                continue
+            entries[e["name"]] = (e, s)
+    rt_src = srcs[0] / first["runtime"]["file"]
+    if not rt_src.exists() or sha256_file(rt_src) != first["runtime"]["sha256_xz"]:
+        raise BundleError(f"merge: {rt_src}: missing or its sha256 does not match the manifest")
+    (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
+    (out_dir / "lib").mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / "manifest.json"
+    manifest_path.unlink(missing_ok=True)
+    for e, s in entries.values():
+        shutil.copyfile(s / e["file"], out_dir / e["file"])
+    shutil.copyfile(rt_src, out_dir / first["runtime"]["file"])
+    keep = {e["file"] for e, _ in entries.values()}
+    for f in (out_dir / "kernels").glob("*.so"):
+        if f"kernels/{f.name}" not in keep:
+            f.unlink()
+    manifest = {**{k: first[k] for k in first if k != "variants"},
+                "variants": sorted((e for e, _ in entries.values()), key=lambda e: e["name"])}
+    atomic_write(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
