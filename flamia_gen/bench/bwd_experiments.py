@@ -43,6 +43,9 @@ _two_writers = lambda p: p.get("head_dim") == 64  # noqa: E731
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
+# mxfp8's tile (32×32-block dS, no per-token K or Q rows), where bwd_dq_bf16 is an experiment (off by default)
+_dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p, "bwd_dq_bf16": True})  # noqa: E731
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -75,6 +78,13 @@ EXPERIMENTS: dict[str, dict] = {
     "dqfirst": dict(over={"bwd_dq_first": True},
                     when=bwd_dq_bf16,
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
+    # bwd_dq_bf16 on mxfp8's 32×32-block dS tile (twenty-seventh session, experiment): dQ on BF16 dS and K̂ instead of
+    # the 32-query-block E4M3 dS (no column amaxes, their barrier, block or window maxima; the Kᵀ tile goes); dK keeps
+    # its blocks. Without the padding the dQ-on-BF16 tiles take by default, so that only the dQ product moves; then both
+    "dq16sq": dict(over={"bwd_dq_bf16": True, "bwd_row_pad": False}, when=_dq16_square_32,
+                   note="mxfp8: dQ on BF16 dS and K̂ (no dQ block exponent, no Kᵀ tile), per-query words unpadded"),
+    "dq16sqpad": dict(over={"bwd_dq_bf16": True, "bwd_row_pad": True}, when=_dq16_square_32,
+                      note="mxfp8: dQ on BF16 dS and K̂, per-query words padded (as fp8_token's default)"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),

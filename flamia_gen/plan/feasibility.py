@@ -112,13 +112,15 @@ def check_attn(arch: Arch, elem_bytes: int, params: dict) -> tuple[bool, str]:
 
 
 def bwd_dq_bf16(params: dict) -> bool:
-    """Whether templates/sm90/attn_bwd.py.j2 renders these backward params with bwd_dq_bf16 (default on): the per-token
-    E4M3 dS tiles (fp8_token, fp8_token_bf16qk), unless the params turn it off. Also what bench.bwd_experiments' A/B
-    tags select on."""
-    tile = (params.get("v_fmt") == "e4m3" and params.get("ds_fmt") == "e4m3" and params.get("ds_gran") == "token"
-            and params.get("q_fmt") == "e4m3" and params.get("do_fmt") == "e4m3"
-            and not (params.get("diag_v") or params.get("diag_k") or params.get("rows_q")))
-    return bool(tile and params.get("bwd_dq_bf16", True))
+    """Whether templates/sm90/attn_bwd.py.j2 renders these backward params with bwd_dq_bf16: default on for the
+    per-token E4M3 dS tiles (fp8_token, fp8_token_bf16qk) unless the params turn it off; on mxfp8's 32×32-block dS tile
+    (per-token V on diagonal pairs, no per-token K or Q rows) only when the params ask (an experiment). Also what
+    bench.bwd_experiments' A/B tags select on."""
+    e4m3 = (params.get("v_fmt") == "e4m3" and params.get("ds_fmt") == "e4m3" and params.get("q_fmt") == "e4m3"
+            and params.get("do_fmt") == "e4m3" and not (params.get("diag_k") or params.get("rows_q")))
+    if e4m3 and params.get("ds_gran") == "token" and not params.get("diag_v"):
+        return bool(params.get("bwd_dq_bf16", True))
+    return bool(e4m3 and params.get("ds_gran") == "square_32" and params.get("bwd_dq_bf16", False))
 
 
 def bwd_row_pad(params: dict) -> bool:
@@ -150,6 +152,8 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
         ds *= 2
         if not params.get("scores_bf16"):
             kv += 2 * n * d
+        if params.get("ds_gran") == "square_32":  # mxfp8's: no Kᵀ tile (bwd_no_kt; its name aliases sK16)
+            kv -= n * d
     if elem_bytes == 1 and bwd_row_pad(params):  # 4 more words per column pair of per-query words
         per_stage += 4 * 4 * (m // 2)
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4

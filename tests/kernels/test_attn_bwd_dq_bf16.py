@@ -65,10 +65,10 @@ def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
 
 
 def _refused():
-    """One variant of every route without a per-token E4M3 dS tile (fp8_token's, fp8_token_bf16qk's)."""
+    """One variant of every route without a per-token E4M3 dS tile (fp8_token's, fp8_token_bf16qk's) or mxfp8's."""
     seen, out = set(), []
     for x in BWD:
-        if x.route not in ("fp8_token", "fp8_token_bf16qk") and x.route not in seen:
+        if x.route not in ("fp8_token", "fp8_token_bf16qk", "mxfp8") and x.route not in seen:
             seen.add(x.route)
             out.append(x)
     return out
@@ -186,3 +186,89 @@ def test_no_kt_drops_the_kt_load_and_its_bytes(v):
 def test_no_kt_refused_without_dq_bf16(v):
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_no_kt"):
         _render(v, bwd_no_kt=True, **({"bwd_dq_bf16": False} if v.route == "fp8_token" else {}))
+
+
+# mxfp8's 32×32-block dS tile (experiment, off; twenty-seventh session): dQ on BF16 dS and K̂, no Kᵀ tile
+MX = [v for v in BWD if v.route == "mxfp8"]
+
+
+def test_mxfp8_flag_is_off_by_default_and_the_smem_model_follows():
+    from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes, bwd_dq_bf16
+
+    assert len(MX) == 8
+    for v in MX:
+        p = dict(v.params)
+        assert not bwd_dq_bf16(p) and "bwd_dq_bf16" not in _params(render_variant(v))
+        on = dict(p, bwd_dq_bf16=True, bwd_row_pad=False)
+        assert bwd_dq_bf16(on)
+        # BF16 dS (+ m·n·2 bytes), the K̂ tile (+ 2·n·d), no Kᵀ tile (− n·d)
+        m, n, d = p["tile_m"], p["tile_n"], p["head_dim"]
+        assert attn_bwd_smem_bytes(on, 1) - attn_bwd_smem_bytes(p, 1) == 2 * m * n + n * d
+        assert attn_bwd_smem_bytes(dict(on, bwd_row_pad=True), 1) <= SMEM_LIMIT[v.arch]  # the padding's 2 KB too
+    for v in BWD:  # the other 32×32-block routes keep their FP8 dQ: their tiles refuse the flag
+        if v.route in ("mxfp8_exact", "nvfp4_mixed"):
+            assert not bwd_dq_bf16(dict(v.params, bwd_dq_bf16=True))
+
+
+@pytest.mark.parametrize("v", MX, ids=lambda v: v.name)
+def test_mxfp8_flag_drops_the_dq_block_exponent_and_the_kt_tile(v):
+    on, off = _render(v, bwd_dq_bf16=True), render_variant(v)
+    ast.parse(on)
+    p = _params(on)
+    assert p["bwd_dq_bf16"] is True and p["bwd_no_kt"] is True and p.get("bwd_row_pad") is True
+    assert "bwd_row_pad" not in _params(_render(v, bwd_dq_bf16=True, bwd_row_pad=False))
+    assert "def k_to_bf16(" in on and "def k_to_bf16(" not in off
+    # the Kᵀ tile: neither allocated nor loaded (its name aliases sK16) and the stage expects n·d bytes fewer
+    assert "sKt: cute.struct.Align" in off and "sKt: cute.struct.Align" not in on
+    assert "sKt = storage.sK16.get_tensor(" in on
+    assert "cute.copy(tma_atom_kt, tKtgKt, tKtsKt, tma_bar_ptr=bar)" in off and "tma_atom_kt, tKtgKt" not in on
+    assert "self.bytes_kv -= n * d" in on
+    # dQ's exponent (column amaxes, the 32-query block key, windows' block ∩ document keys) is gone ...
+    for gone in ("ds_key(am[0])", "pow2i_neg_ds_key(bk[", "sAmax[buf * m + tidx] = Uint32(0)"):
+        assert gone in off and gone not in on, gone
+    assert "sBlk[SQW_Q0 + tidx] = Float32(gk)" in off and "sBlk[SQW_Q0 + tidx]" not in on  # windows: block ∩ document
+    # ... dK's 32×32 blocks stay
+    for kept in ("cute.arch.barrier(barrier_id=SQ32_BARRIER0 + warp // 2, number_of_threads=64)", "e_blk = ds_exponent(blk)"):
+        assert kept in on and kept in off
+    tile = lambda s: s[s.index("    def one_tile("):s.index("    def ", s.index("    def one_tile(") + 10)]  # noqa: E731
+    barriers = lambda s: tile(s).count("cute.arch.barrier(barrier_id=1,")  # noqa: E731
+    assert barriers(on) == barriers(off) - 2  # the dQ amax's and the windows' block key
+
+
+def test_mxfp8_ab_tags():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("mxfp8", "mxfp8_exact", "nvfp4_mixed", "fp8_token"))
+    for tag, pad in (("dq16sq", False), ("dq16sqpad", True)):
+        tagged = [v for t, v in experiment_variants((tag,), base_variants=bwd, experiments=EXPERIMENTS) if t == tag]
+        assert len(tagged) == 4 and all(v.route == "mxfp8" for v in tagged)  # D = 128 × causal or not × det or not
+        for v in tagged:
+            p = _params(_render(v))
+            assert p["bwd_dq_bf16"] is True and p.get("bwd_row_pad", False) is pad
+
+
+def test_emulator_mxfp8_dq_bf16_changes_dq_only_and_moves_it_towards_fp32():
+    _, q, k, v, _, _, do, cu = _case()
+    r = get_route("mxfp8")
+    o, lse = route_forward(r, q, k, v, cu, True, tile_m=128, tile_n=128, key_align=16)
+    kw = dict(tile_m=64, tile_n=128, key_align=16, fwd_tile_m=128, fwd_tile_n=128, mma="sm90_fp8")
+    dq0, dk0, dv0 = route_backward(r, q, k, v, o, lse, do, cu, True, **kw)
+    dq1, dk1, dv1 = route_backward(r, q, k, v, o, lse, do, cu, True, dq_bf16=True, **kw)
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1) and not torch.equal(dq0, dq1)
+    ref = attention_backward(q, k, v, o, lse, do, cu, True, None)[0]
+    assert float(cosine(dq1, ref)) > float(cosine(dq0, ref)) > 0.99
+
+
+@pytest.mark.compile
+def test_compile_mxfp8_dq_bf16_not_serialised(compile_sm90, tmp_path):
+    """mxfp8's flagged D = 128 causal tile (the tightest shared memory) compiles for sm_90a with BF16 dQ wgmmas and
+    ptxas keeps every wgmma asynchronous (the SASS)."""
+    from flamia_gen.bench.sass import describe, missing_tools, serialised
+
+    v = next(x for x in MX if x.param("head_dim") == 128 and x.param("causal") and not dict(x.params).get("deterministic"))
+    ptx = compile_sm90(v, source=_render(v, bwd_dq_bf16=True, bwd_row_pad=False))
+    assert ".bf16.bf16" in ptx and "atom.shared.max" not in ptx
+    if missing_tools():
+        pytest.skip(missing_tools())
+    loops = describe(str(tmp_path / f"{v.name}.o"))["loops"]
+    assert loops and not any(serialised(lp) for lp in loops), loops
