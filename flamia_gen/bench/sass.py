@@ -3,6 +3,7 @@ tile loops (instructions, spills, ex2 per loop), so a template change can be che
 
     python -m flamia_gen.bench.sass .dev/bundle-exp/kernels/attn_fwd_..._xwgskip.so [--dump out.sass]
     python -m flamia_gen.bench.sass A.so B.so          # the same table for two builds, side by side
+    python -m flamia_gen.bench.sass A.so B.so --ops 20 # and the 20 commonest opcodes of each one's largest tile loop
 
 Needs `nvdisasm` and `cuobjdump` (CUDA 12.8+ for sm_90a): on PATH, in $FLAMIA_GEN_CUDA_BIN, or from the pip wheels
 `nvidia-cuda-nvdisasm` and `nvidia-cuda-cuobjdump` (their `nvidia/cu13/bin`). The DSL's `export_to_c` object keeps
@@ -79,11 +80,24 @@ def tile_loops(sass: str, mma: str = "GMMA") -> list[dict]:
             loops.append(dict(label=m.group(1), start=labels[m.group(1)], end=n, instructions=len(body), wgmma=g,
                               stl=sum("STL" in x for x in body), ldl=sum("LDL" in x for x in body),
                               ex2=sum("MUFU.EX2" in x for x in body), bar=sum(" BAR." in x for x in body),
-                              waited=waited_wgmma(body, mma)))
+                              waited=waited_wgmma(body, mma), ops=opcode_counts(body)))
     # innermost: a loop that contains no other listed loop
     inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
                                            for o in loops)]
     return sorted(inner, key=lambda lp: lp["start"])
+
+
+_OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_counts(body: list[str]) -> dict[str, int]:
+    """Instructions per opcode (its first dot-separated part: FMUL, LDS, QGMMA, …; a guard predicate is skipped)."""
+    out: dict[str, int] = {}
+    for x in body:
+        m = _OPCODE.search(x)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out
 
 
 def waited_wgmma(body: list[str], mma: str = "GMMA") -> int:
@@ -153,7 +167,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("so", nargs="+", help="bundle kernel .so files")
     ap.add_argument("--dump", default=None, help="write the first file's SASS here")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="also the N most frequent opcodes of each file's largest tile loop, one column per file")
     a = ap.parse_args(argv)
+    largest = []
     for k, so in enumerate(a.so):
         d = describe(so, a.dump if k == 0 else None)
         print(f"{Path(so).name}: {d['instructions']} instructions, REG {d['reg']}, STACK {d['stack']} B")
@@ -161,7 +178,22 @@ def main(argv=None) -> int:
             print(f"  tile loop {lp['label']}: {lp['instructions']} instr, {lp['wgmma']} wgmma "
                   f"({lp['waited']} waited{', SERIALISED' if serialised(lp) else ''}), "
                   f"STL {lp['stl']} / LDL {lp['ldl']}, EX2 {lp['ex2']}, BAR {lp['bar']}")
+        largest.append(max(d["loops"], key=lambda lp: lp["instructions"])["ops"] if d["loops"] else {})
+    if a.ops:
+        print(ops_table(largest, a.ops))
     return 0
+
+
+def ops_table(counts: list[dict[str, int]], n: int) -> str:
+    """The `n` opcodes most frequent over all `counts` (one dict per build), one row each, a column per build."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for op, k in c.items():
+            total[op] = total.get(op, 0) + k
+    top = sorted(total, key=lambda op: (-total[op], op))[:n]
+    rows = ["opcode      " + "".join(f"{'#' + str(i + 1):>8}" for i in range(len(counts)))]
+    rows += [f"{op:<12}" + "".join(f"{c.get(op, 0):>8}" for c in counts) for op in top]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

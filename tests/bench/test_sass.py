@@ -107,3 +107,13 @@ def test_serialised_wgmma_is_told_from_grouped_waits():
     # a wait with no wgmma issued since the last one counts once
     two = tile_loops(_loop([2], False).replace("FMUL R2, R2, R3", "WARPGROUP.DEPBAR.LE gsb0, 0x0"))[0]
     assert two["waited"] == 1 and not serialised(two)
+
+
+def test_opcode_counts_and_the_side_by_side_table():
+    from flamia_gen.bench.sass import ops_table
+
+    lp = tile_loops(_loop([2, 1], False))[0]
+    assert lp["ops"] == {"QGMMA": 3, "WARPGROUP": 2, "FMUL": 2, "BRA": 1}  # the guard predicate @P0 is skipped
+    t = ops_table([lp["ops"], {"FMUL": 5, "LDS": 1}], 3).splitlines()
+    assert t[0].split() == ["opcode", "#1", "#2"]
+    assert [r.split() for r in t[1:]] == [["FMUL", "2", "5"], ["QGMMA", "3", "0"], ["WARPGROUP", "2", "0"]]
