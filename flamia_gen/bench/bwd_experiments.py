@@ -247,7 +247,7 @@ def time_entry(b, entry, doc_lens, heads=16, iters=20) -> float:
 
 
 def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True, iters=20, json_out=None,
-        causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S, variant_globs=()) -> list[dict]:
+        causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S, variant_globs=(), resume=False) -> list[dict]:
     from ..bench.flops import attention_flops
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import verify_bwd_entry
@@ -269,7 +269,7 @@ def run(bundle_dir, *, only=None, workloads=((4096,) * 4, (16384,)), verify=True
             row[f"{wl_key(docs)}_tflops"] = fl / (ms * 1e-3) / 1e12
 
     return run_entries(select_entries(b, "attn_bwd", only, causal_only, EXPERIMENTS, variant_globs), measure, _fmt_row, table,
-                       workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout)
+                       workloads, json_out, EXPERIMENTS, entry_timeout=entry_timeout, resume=resume)
 
 
 def _fmt_row(row, workloads) -> str:
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, iters=a.iters, json_out=a.json,
                causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
-               workloads=doc_rows(a.workloads), variant_globs=split_tags(a.variants))
+               workloads=doc_rows(a.workloads), variant_globs=split_tags(a.variants), resume=a.resume)
     return run_exit_code(rows)
 
 

@@ -247,19 +247,31 @@ HUNG_EXIT_CODE = 3
 
 
 def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experiments=None,
-                entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
+                entry_timeout: float | None = ENTRY_TIMEOUT_S, resume: bool = False) -> list[dict]:
     """One row per entry: `measure(entry, base_name, tag, row)` fills it; an exception becomes the row's
     `error` (one broken experiment must not stop the table) and a lost CUDA context stops the run; each
-    row is printed as it comes, then the table (and the JSON).
+    row is printed as it comes and the JSON (when asked) is rewritten after every row, so a call cut off by
+    its time limit keeps what it measured; then the table.
+
+    `resume` (needs `json_out`): the rows already in that file without an `error` are kept and their entries
+    skipped, so a second call goes on where a cut-off one stopped. Each row carries the `run` it was measured
+    in (the process's start time): an A/B pair timed in two runs is two processes, which the table's ratios do
+    not say — rerun the pair together (`--only`) when its ratio matters.
 
     An entry still running after `entry_timeout` seconds is a hung kernel (a launch that never completes
     cannot be cancelled from the host): a watchdog gives it an `error` row, prints the table and writes the
     JSON of every row so far, and ends the process with exit code HUNG_EXIT_CODE, so a hang costs one
     timeout of device time instead of the caller's whole limit (a GPU session lost 7 minutes so, 2026-12-01)."""
-    rows, t_start = [], time.perf_counter()
+    rows, t_start = _resumed_rows(json_out) if resume else [], time.perf_counter()
+    done = {(r["variant"], r["tag"]) for r in rows}
+    run_id = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if done:
+        print(f"resuming {json_out}: {len(done)} rows kept, their entries skipped", flush=True)
     for e in entries:
         base, tag = split_name(e["name"], experiments)
-        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"])
+        if (base, tag or "default") in done:
+            continue
+        row = dict(variant=base, tag=tag or "default", causal=e["params"]["causal"], run=run_id)
         watchdog = None
         if entry_timeout:
             watchdog = threading.Timer(entry_timeout, _abandon_hung_run,
@@ -275,13 +287,41 @@ def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experi
                 watchdog.cancel()
         rows.append(row)
         print(fmt_row(row, workloads), f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+        write_rows(rows, json_out)
         if "error" in row and cuda_context_lost(e, tag):
             break
     return finish(rows, table_fn(rows, workloads), json_out)
 
 
+def _resumed_rows(json_out) -> list[dict]:
+    """The error-free rows of an earlier run's JSON (none when the file is missing); a file that is not such a
+    list is an error, never silently replaced."""
+    if not json_out:
+        raise SystemExit("--resume needs --json (the file of the run to go on from)")
+    p = Path(json_out)
+    if not p.exists():
+        return []
+    try:
+        rows = json.loads(p.read_text())
+    except json.JSONDecodeError as ex:
+        raise SystemExit(f"--resume: {p} is not JSON ({ex}); move it away or drop --resume") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "variant" in r and "tag" in r for r in rows):
+        raise SystemExit(f"--resume: {p} is not a list of experiment rows")
+    return [r for r in rows if "error" not in r]
+
+
+def write_rows(rows: list[dict], json_out) -> None:
+    """The rows so far as JSON, replaced atomically (a kill mid-write leaves the previous file)."""
+    if not json_out:
+        return
+    p = Path(json_out)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, p)
+
+
 def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True, probe=True, iters=20,
-        json_out=None, causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S) -> list[dict]:
+        json_out=None, causal_only=False, entry_timeout: float | None = ENTRY_TIMEOUT_S, resume=False) -> list[dict]:
     """GPU host: verify and time every attn_fwd variant of the bundle; print one table."""
     from ..runtime.bundle import load_bundle
     from ..verify.attn_gpu import time_attn_entry, verify_attn_entry
@@ -303,7 +343,7 @@ def run(bundle_dir, *, only=None, workloads=((16384,), (4096,) * 4), verify=True
             row[wl_key(docs)] = t["tflops"]
 
     return run_entries(select_entries(b, "attn_fwd", only, causal_only), measure, _fmt_row, table, workloads,
-                       json_out, entry_timeout=entry_timeout)
+                       json_out, entry_timeout=entry_timeout, resume=resume)
 
 
 BITWISE_ROWS = ([300, 1000, 1, 129, 2048, 77], [1, 2, 3, 1, 5, 130, 1, 64, 127, 129], [4096, 4096])
@@ -367,8 +407,7 @@ def finish(rows: list[dict], table_text: str, json_out) -> list[dict]:
     """Print the table and write the rows as JSON (when asked): the end of every experiment run."""
     print()
     print(table_text)
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
+    write_rows(rows, json_out)
     return rows
 
 
@@ -452,7 +491,10 @@ def experiment_cli(prog: str, doc: str, default_out: str, default_flags, run_hel
     rp.add_argument("--no-verify", action="store_true")
     rp.add_argument("--causal-only", action="store_true")
     rp.add_argument("--iters", type=int, default=20)
-    rp.add_argument("--json", default=None)
+    rp.add_argument("--json", default=None, help="rows as JSON, rewritten after every variant")
+    rp.add_argument("--resume", action="store_true",
+                    help="keep the error-free rows of --json and run only the variants it lacks (a call cut off by "
+                         "its time limit, continued)")
     rp.add_argument("--entry-timeout", type=float, default=ENTRY_TIMEOUT_S,
                     help="seconds one variant may take before the run is abandoned as hung (exit 3; 0: no limit)")
     sub.add_parser("list", help="print the experiments")
@@ -502,7 +544,7 @@ def main(argv=None) -> int:
         return 0 if m["variants"] else 1
     rows = run(a.bundle, only=split_tags(a.only, run=True), verify=not a.no_verify, probe=not a.no_probe,
                iters=a.iters, json_out=a.json, causal_only=a.causal_only, entry_timeout=a.entry_timeout or None,
-               workloads=doc_rows(a.workloads))
+               workloads=doc_rows(a.workloads), resume=a.resume)
     return run_exit_code(rows)
 
 

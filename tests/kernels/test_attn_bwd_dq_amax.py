@@ -391,3 +391,52 @@ def test_experiment_run_cancels_the_watchdog_of_finished_entries(tmp_path):
 
     time.sleep(0.5)  # a watchdog left running would end this process here
     assert rows[0]["variant"] == "attn_bwd_sm90_a" and "error" not in rows[0]
+
+
+def test_experiment_run_writes_every_row_and_resumes(tmp_path, monkeypatch):
+    """The JSON is rewritten after every row (a call cut off by its time limit keeps its rows), and `resume` keeps
+    an earlier run's error-free rows, skips their entries and reruns the failed ones."""
+    import json
+
+    import pytest
+
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench import fwd_experiments as fx
+
+    monkeypatch.setattr(fx, "cuda_context_lost", lambda e, tag: False)
+    out = tmp_path / "r.json"
+    names = ("attn_bwd_sm90_a", "attn_bwd_sm90_a_xtrim1", "attn_bwd_sm90_b", "attn_bwd_sm90_c")
+    entries = [{"name": n, "params": {"causal": True}} for n in names]
+    seen, measured = [], []
+
+    def first(e, base, tag, row):
+        seen.append(len(json.loads(out.read_text())) if out.exists() else 0)  # rows on disk before this entry
+        if e["name"].endswith("_b"):
+            raise RuntimeError("boom")
+        if e["name"].endswith("_c"):
+            raise KeyboardInterrupt  # the time limit's kill, mid-run
+        row.update(ok=True, cos_emu=1.0, cos_fp32=1.0, **{"4x4096": 1.0})
+
+    with pytest.raises(KeyboardInterrupt):
+        fx.run_entries(entries, first, bx._fmt_row, bx.table, ((4096,) * 4,), out, bx.EXPERIMENTS)
+    assert seen == [0, 1, 2, 3]
+    kept = json.loads(out.read_text())
+    assert [(r["variant"], r["tag"]) for r in kept] == [("attn_bwd_sm90_a", "default"), ("attn_bwd_sm90_a", "trim1"),
+                                                       ("attn_bwd_sm90_b", "default")]
+    assert "error" in kept[2] and all(r["run"] for r in kept)
+
+    def second(e, base, tag, row):
+        measured.append(e["name"])
+        row.update(ok=True, cos_emu=1.0, cos_fp32=1.0, **{"4x4096": 3.0})
+
+    rows = fx.run_entries(entries, second, bx._fmt_row, bx.table, ((4096,) * 4,), out, bx.EXPERIMENTS, resume=True)
+    assert measured == ["attn_bwd_sm90_b", "attn_bwd_sm90_c"]  # a and its A/B copy kept, b's error row rerun
+    assert [(r["variant"], r["tag"], r["4x4096"]) for r in rows] == [
+        ("attn_bwd_sm90_a", "default", 1.0), ("attn_bwd_sm90_a", "trim1", 1.0), ("attn_bwd_sm90_b", "default", 3.0),
+        ("attn_bwd_sm90_c", "default", 3.0)]
+    assert json.loads(out.read_text()) == rows
+    out.write_text("{not json")
+    with pytest.raises(SystemExit, match="not JSON"):
+        fx.run_entries(entries, second, bx._fmt_row, bx.table, ((4096,) * 4,), out, bx.EXPERIMENTS, resume=True)
+    with pytest.raises(SystemExit, match="needs --json"):
+        fx.run_entries(entries, second, bx._fmt_row, bx.table, ((4096,) * 4,), None, bx.EXPERIMENTS, resume=True)
