@@ -85,6 +85,8 @@ EXPERIMENTS: dict[str, dict] = {
                    note="mxfp8: dQ on BF16 dS and K̂ (no dQ block exponent, no Kᵀ tile), per-query words unpadded"),
     "dq16sqpad": dict(over={"bwd_dq_bf16": True, "bwd_row_pad": True}, when=_dq16_square_32,
                       note="mxfp8: dQ on BF16 dS and K̂, per-query words padded (as fp8_token's default)"),
+    "dq16sqswz": dict(over={"bwd_dq_bf16": True, "bwd_row_swz": True}, when=_dq16_square_32,
+                      note="mxfp8: dQ on BF16 dS and K̂, per-query words XOR-swizzled (no conflicts, no padding)"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),

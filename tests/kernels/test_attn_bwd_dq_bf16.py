@@ -239,12 +239,13 @@ def test_mxfp8_ab_tags():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
     bwd, _ = base_variants(routes=("mxfp8", "mxfp8_exact", "nvfp4_mixed", "fp8_token"))
-    for tag, pad in (("dq16sq", False), ("dq16sqpad", True)):
+    for tag, pad, swz in (("dq16sq", False, False), ("dq16sqpad", True, False), ("dq16sqswz", False, True)):
         tagged = [v for t, v in experiment_variants((tag,), base_variants=bwd, experiments=EXPERIMENTS) if t == tag]
         assert len(tagged) == 4 and all(v.route == "mxfp8" for v in tagged)  # D = 128 × causal or not × det or not
         for v in tagged:
             p = _params(_render(v))
             assert p["bwd_dq_bf16"] is True and p.get("bwd_row_pad", False) is pad
+            assert p.get("bwd_row_swz", False) is swz
 
 
 def test_emulator_mxfp8_dq_bf16_changes_dq_only_and_moves_it_towards_fp32():
