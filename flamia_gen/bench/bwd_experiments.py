@@ -87,6 +87,12 @@ EXPERIMENTS: dict[str, dict] = {
                       note="mxfp8: dQ on BF16 dS and K̂, per-query words padded (as fp8_token's default)"),
     "dq16sqswz": dict(over={"bwd_dq_bf16": True, "bwd_row_swz": True}, when=_dq16_square_32,
                       note="mxfp8: dQ on BF16 dS and K̂, per-query words XOR-swizzled (no conflicts, no padding)"),
+    # bwd_dof_fold (twenty-seventh session, experiment): dO's power-of-two factor out of the softmax pass (bitwise)
+    "doffold": dict(over={"bwd_dof_fold": True}, when=lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token",
+                    note="ds·2^−edo in the softmax pass (D·2^−edo, 2^(eq+edo) from the producer), 2^edo on dQ's rows"),
+    "dofswz": dict(over={"bwd_dof_fold": True, "bwd_row_swz": True},
+                   when=lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token",
+                   note="doffold with the XOR-swizzled per-query words (both cut the same tile's spills)"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},
                    when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),
