@@ -203,10 +203,11 @@ def test_bwd_experiments_variants_names_and_support():
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
     # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
-    # 4 deterministic × dyndet, 4 fp8 × (noqperm, nodq16, norowpad, rowswz, nokt, dqfirst), 2 × s3 (the deterministic ones: a third Q stage no
-    # longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12 (dqw1 copies only the D = 64 tiles, whose
-    # default has two writers; rowpad only the FP8 tiles of other routes)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2
+    # 4 deterministic × dyndet, 4 fp8 × (noqperm, nodq16, norowpad, rowswz, nokt, dqfirst, doffold, dofswz), 2 × s3 (the
+    # deterministic ones: a third Q stage no longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12
+    # (dqw1 copies only the D = 64 tiles, whose default has two writers; rowpad and the dq16sq tags only the FP8 tiles
+    # of other routes)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 8 + 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw2":
@@ -236,6 +237,10 @@ def test_bwd_experiments_variants_names_and_support():
             assert v.route == "fp8_token" and '"bwd_row_swz": True' in _render(v)
         elif tag == "dqfirst":
             assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render(v, bwd_dq_bf16=True)
+        elif tag in ("doffold", "dofswz"):
+            src = _render(v, bwd_dq_bf16=True)
+            assert v.route == "fp8_token" and '"bwd_dof_fold": True' in src
+            assert ('"bwd_row_swz": True' in src) is (tag == "dofswz")
         elif tag == "nodq16":
             assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
             assert '"bwd_dq_bf16"' not in _render(v)
