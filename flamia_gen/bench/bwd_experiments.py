@@ -46,6 +46,9 @@ _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != 
 # mxfp8's tile (32×32-block dS, no per-token K or Q rows), where bwd_dq_bf16 is an experiment (off by default)
 _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p, "bwd_dq_bf16": True})  # noqa: E731
 
+# the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
+_dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -88,10 +91,10 @@ EXPERIMENTS: dict[str, dict] = {
     "dq16sqswz": dict(over={"bwd_dq_bf16": True, "bwd_row_swz": True}, when=_dq16_square_32,
                       note="mxfp8: dQ on BF16 dS and K̂, per-query words XOR-swizzled (no conflicts, no padding)"),
     # bwd_dof_fold (twenty-seventh session, experiment): dO's power-of-two factor out of the softmax pass (bitwise)
-    "doffold": dict(over={"bwd_dof_fold": True}, when=lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token",
+    "doffold": dict(over={"bwd_dof_fold": True}, when=_dq16_per_token,
                     note="ds·2^−edo in the softmax pass (D·2^−edo, 2^(eq+edo) from the producer), 2^edo on dQ's rows"),
     "dofswz": dict(over={"bwd_dof_fold": True, "bwd_row_swz": True},
-                   when=lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token",
+                   when=_dq16_per_token,
                    note="doffold with the XOR-swizzled per-query words (both cut the same tile's spills)"),
     # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
     "rowpad": dict(over={"bwd_row_pad": True},

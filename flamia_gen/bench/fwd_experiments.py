@@ -262,7 +262,8 @@ def run_entries(entries, measure, fmt_row, table_fn, workloads, json_out, experi
     cannot be cancelled from the host): a watchdog gives it an `error` row, prints the table and writes the
     JSON of every row so far, and ends the process with exit code HUNG_EXIT_CODE, so a hang costs one
     timeout of device time instead of the caller's whole limit (a GPU session lost 7 minutes so, 2026-12-01)."""
-    rows, t_start = _resumed_rows(json_out) if resume else [], time.perf_counter()
+    rows = _resumed_rows(json_out) if resume else []
+    t_start = time.perf_counter()
     done = {(r["variant"], r["tag"]) for r in rows}
     run_id = time.strftime("%Y-%m-%dT%H:%M:%S")
     if done:

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 EM_CUDA = 190
@@ -92,12 +93,7 @@ _OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 def opcode_counts(body: list[str]) -> dict[str, int]:
     """Instructions per opcode (its first dot-separated part: FMUL, LDS, QGMMA, …; a guard predicate is skipped)."""
-    out: dict[str, int] = {}
-    for x in body:
-        m = _OPCODE.search(x)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0) + 1
-    return out
+    return dict(Counter(m.group(1) for m in map(_OPCODE.search, body) if m))
 
 
 def waited_wgmma(body: list[str], mma: str = "GMMA") -> int:
@@ -186,10 +182,7 @@ def main(argv=None) -> int:
 
 def ops_table(counts: list[dict[str, int]], n: int) -> str:
     """The `n` opcodes most frequent over all `counts` (one dict per build), one row each, a column per build."""
-    total: dict[str, int] = {}
-    for c in counts:
-        for op, k in c.items():
-            total[op] = total.get(op, 0) + k
+    total = sum((Counter(c) for c in counts), Counter())
     top = sorted(total, key=lambda op: (-total[op], op))[:n]
     rows = ["opcode      " + "".join(f"{'#' + str(i + 1):>8}" for i in range(len(counts)))]
     rows += [f"{op:<12}" + "".join(f"{c.get(op, 0):>8}" for c in counts) for op in top]

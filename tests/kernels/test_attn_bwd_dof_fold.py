@@ -7,13 +7,15 @@ bit the default's, edge rows included — replayed in fp32; `-m compile`: sm_90a
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 
 import jinja2
 import pytest
 import torch
 
+from flamia_gen.build.bundle import _module_literal
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
@@ -22,14 +24,12 @@ TILES = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
 
 
 def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+    """The variant rendered with template flags set, as bench.bwd_experiments builds its A/B copies."""
+    return render_variant(replace(v, params=tuple(sorted({**dict(v.params), **over}.items()))))
 
 
 def _params(src: str) -> dict:
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
-    return ast.literal_eval(node.value)
+    return _module_literal(src, "PARAMS")
 
 
 def _tile(src: str) -> str:
