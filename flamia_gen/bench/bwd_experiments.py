@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from ..plan.feasibility import bwd_dq_bf16, bwd_row_pad  # the template's defaults, as the smem model reads them
+from ..plan.feasibility import bwd_dq_bf16, bwd_row_pad, bwd_row_swz  # the template's defaults, as the smem model reads them
 from .fwd_experiments import (ENTRY_TIMEOUT_S, _wl_keys, wl_key, build_variants_bundle, experiment_cli, experiment_table,
                               experiment_variants, matches_any, print_experiments, run_entries,  # noqa: F401
                               doc_rows, run_exit_code, select_entries, split_name, split_tags)
@@ -68,38 +68,31 @@ EXPERIMENTS: dict[str, dict] = {
     # (fp8_token_bf16qk's BF16-score tile too since the twenty-fifth session: its dQ takes the BF16 k of Sᵀ)
     "nodq16": dict(over={"bwd_dq_bf16": False}, when=bwd_dq_bf16,
                    note="dQ = dS̃·K on E4M3 with its dQ scale group and amax exchange (the kernel before dQ on BF16)"),
-    # bwd_row_pad (twenty-fifth session; default on the tiles with dQ on BF16): the unpadded per-query words as an A/B
+    # bwd_row_pad (twenty-fifth session; since round 30 the default of fp8_pv's BF16-dS tile only): unpadded as an A/B
     "norowpad": dict(over={"bwd_row_pad": False}, when=bwd_row_pad,
                      note="per-query words 2·ROW_WORDS per column pair (two-way bank conflicts in the softmax loads)"),
-    # bwd_row_swz (twenty-fifth session, built, not yet run): the same banks by an XOR of the word offset, no padding
-    "rowswz": dict(over={"bwd_row_swz": True}, when=lambda p: p.get("v_fmt") == "e4m3",
+    # bwd_row_swz (twenty-fifth session; the default of the other FP8 tiles since round 30): where it is off (fp8_pv)...
+    "rowswz": dict(over={"bwd_row_swz": True}, when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_swz(p),
                    note="per-query words XOR-swizzled (t = 2, 3 read offset ^ 8): no bank conflicts, no padding"),
-    # bwd_no_kt (twenty-fifth session, built, not yet run): the dQ-on-BF16 tiles stop loading the Kᵀ codes nothing reads
+    # ... and the kernels before it where it is on: padded on the dQ-on-BF16 tiles, plain (two-way conflicts) elsewhere
+    "norowswz": dict(over={"bwd_row_swz": False}, when=bwd_row_swz,
+                     note="per-query words without the swizzle (the default before round 30: padded where dQ is on BF16)"),
+    # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.00×): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes
     "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
-    # bwd_dq_first (twenty-sixth session, experiment): the BF16-dQ tiles issue dK after dQ and wait for dQ only
+    # bwd_dq_first (twenty-sixth session, experiment; H200 round 30: D = 128 1.00–1.03×, D = 64 0.94–0.96× before the
+    # swizzle and dO's fold were defaults): the BF16-dQ tiles issue dK after dQ and wait for dQ only
     "dqfirst": dict(over={"bwd_dq_first": True},
                     when=bwd_dq_bf16,
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
-    # bwd_dq_bf16 on mxfp8's 32×32-block dS tile (twenty-seventh session, experiment): dQ on BF16 dS and K̂ instead of
-    # the 32-query-block E4M3 dS (no column amaxes, their barrier, block or window maxima; the Kᵀ tile goes); dK keeps
-    # its blocks. Without the padding the dQ-on-BF16 tiles take by default, so that only the dQ product moves; then both
-    "dq16sq": dict(over={"bwd_dq_bf16": True, "bwd_row_pad": False}, when=_dq16_square_32,
-                   note="mxfp8: dQ on BF16 dS and K̂ (no dQ block exponent, no Kᵀ tile), per-query words unpadded"),
-    "dq16sqpad": dict(over={"bwd_dq_bf16": True, "bwd_row_pad": True}, when=_dq16_square_32,
-                      note="mxfp8: dQ on BF16 dS and K̂, per-query words padded (as fp8_token's default)"),
-    "dq16sqswz": dict(over={"bwd_dq_bf16": True, "bwd_row_swz": True}, when=_dq16_square_32,
-                      note="mxfp8: dQ on BF16 dS and K̂, per-query words XOR-swizzled (no conflicts, no padding)"),
-    # bwd_dof_fold (twenty-seventh session, experiment): dO's power-of-two factor out of the softmax pass (bitwise)
-    "doffold": dict(over={"bwd_dof_fold": True}, when=_dq16_per_token,
-                    note="ds·2^−edo in the softmax pass (D·2^−edo, 2^(eq+edo) from the producer), 2^edo on dQ's rows"),
-    "dofswz": dict(over={"bwd_dof_fold": True, "bwd_row_swz": True},
-                   when=_dq16_per_token,
-                   note="doffold with the XOR-swizzled per-query words (both cut the same tile's spills)"),
-    # ... and on the other FP8 tiles (fp8_tensor, the 32×32-block dS routes), where it is off until measured
-    "rowpad": dict(over={"bwd_row_pad": True},
-                   when=lambda p: p.get("v_fmt") == "e4m3" and not bwd_row_pad(p),
-                   note="per-query words 2·ROW_WORDS + 4 per column pair (no bank conflicts; the default of fp8_token's)"),
+    # bwd_dq_bf16 on mxfp8's 32×32-block dS tile (twenty-seventh session, experiment; H200 round 30: D = 128 0.90–0.94×,
+    # D = 64 0.83–0.88× the unswizzled default, but D = 128 slower than the swizzle alone): dQ on BF16 dS and K̂ instead of
+    # the 32-query-block E4M3 dS (no column amaxes, their barrier, block or window maxima; the Kᵀ tile goes)
+    "dq16sq": dict(over={"bwd_dq_bf16": True}, when=_dq16_square_32,
+                   note="mxfp8: dQ on BF16 dS and K̂ (no dQ block exponent, no Kᵀ tile)"),
+    # bwd_dof_fold (twenty-seventh session; default since round 30): the tiles with dO's factor in the softmax pass
+    "nodoffold": dict(over={"bwd_dof_fold": False}, when=_dq16_per_token,
+                      note="ds·2^−edo not folded: dO's factor multiplied in the softmax pass (the kernel before round 30)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},

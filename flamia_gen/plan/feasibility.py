@@ -123,10 +123,20 @@ def bwd_dq_bf16(params: dict) -> bool:
     return bool(e4m3 and params.get("ds_gran") == "square_32" and params.get("bwd_dq_bf16", False))
 
 
+def bwd_row_swz(params: dict) -> bool:
+    """Whether the template renders bwd_row_swz: FP8 tiles only; default on for all of them but fp8_pv's (BF16 dS),
+    unless the params ask for the padding (bwd_row_pad) without naming the swizzle."""
+    if params.get("v_fmt") != "e4m3":
+        return False
+    if "bwd_row_swz" in params:
+        return bool(params["bwd_row_swz"])
+    return params.get("ds_fmt") != "bf16" and not params.get("bwd_row_pad")
+
+
 def bwd_row_pad(params: dict) -> bool:
-    """Whether the template renders bwd_row_pad: FP8 tiles only, not with bwd_row_swz; default on for the bwd_dq_bf16
-    tiles and fp8_pv's (BF16 dS)."""
-    if params.get("v_fmt") != "e4m3" or params.get("bwd_row_swz"):
+    """Whether the template renders bwd_row_pad: FP8 tiles only, not with bwd_row_swz; default on for fp8_pv's tile
+    (BF16 dS) and, where the params turn the swizzle off, for the bwd_dq_bf16 tiles."""
+    if params.get("v_fmt") != "e4m3" or bwd_row_swz(params):
         return False
     return bool(params.get("bwd_row_pad", bwd_dq_bf16(params) or params.get("ds_fmt") == "bf16"))
 

@@ -79,7 +79,8 @@ PARAMS = {
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
-    "bwd_row_pad": True,
+    "bwd_row_swz": True,
+    "bwd_dof_fold": True,
     "bwd_q_row_perm": True,
     "sm_count": 132,
     "spec_hash": "b9ec84d0d4d6fe64",
@@ -122,7 +123,6 @@ CAUSAL = False
 SM_COUNT = 132
 KEY_ALIGN = 16  # token tiles start 16-aligned: Qᵀ/Kᵀ/dOᵀ TMA boxes move along their contiguous axis
 ROW_WORDS = 8  # fp32 words of per-query factors in shared memory (row_word)
-PAIR_WORDS = 20  # bwd_row_pad: words per column pair (2·ROW_WORDS + 4: the pairs of a quarter warp in distinct banks)
 LOG2E = 1.4426950408889634
 DQ_AMAX_CG = 2  # column groups (2 columns each) per batch of the dQ amax reduce-scatter
 DQ_AMAX_SCATTER = 2  # reduce-scatter rounds (log2 of the batch's columns)
@@ -465,7 +465,11 @@ def row_word(c, which):
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
     two adjacent columns with one 8-byte load. which: 0 = LSE·log2 e, 1 = D, 2 = 2^eq·scale·log2 e,
     3 = 2^eq, 4 = 2^edo, 5 = edo + 127 (dO's UE8M0 code, raw int32 bits: read with f32_bits)."""
-    return PAIR_WORDS * (c >> 1) + 2 * which + (c & 1)
+    # bwd_row_swz: threads t = 2, 3 of a quarter warp (bit 2 of c) read their pair's words XOR 8: distinct banks.
+    # Written as ± 8 (`which` is a constant at every call), so the offsets of factors w, w + 1 stay 2 apart and
+    # 16-byte aligned for the compiler, which then merges their 8-byte loads as before
+    sw = 8 * ((c >> 2) & 1)
+    return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1) + (sw if which < 4 else -sw)
 
 
 class AttnBwdSm90:
@@ -502,7 +506,7 @@ class AttnBwdSm90:
         self.sdOt_layout = make_smem_layout(self.qk_dtype, (d, m), st)
         self.bytes_kv = 3 * n * d
         self.bytes_q = 4 * m * d
-        self.row_words = PAIR_WORDS * (m // 2)
+        self.row_words = ROW_WORDS * m
 
     @staticmethod
     def can_implement(T, HQ, HKV, D, num_docs=None):
@@ -783,10 +787,15 @@ class AttnBwdSm90:
                         for j in cutlass.range_constexpr(self.tile_m // 32):
                             c = col_of_query(lane + 32 * j)  # the Sᵀ column that holds this query
                             sRow[rbase + row_word(c, 0)] = vals[4 * j]
-                            sRow[rbase + row_word(c, 1)] = vals[4 * j + 1]
+                            # bwd_dof_fold: D·2^−edo, 2^(eq+edo), 2^edo; a NaN dO row (code 255) keeps factor 1
+                            nan_row = dcs[j] == Int32(255)
+                            fdo = Float32(cutlass.select_(nan_row, Float32(1.0), bits_f32(Uint32(dcs[j]) << Uint32(23))))
+                            fdi = Float32(cutlass.select_(nan_row, Float32(1.0),
+                                                          bits_f32(Uint32(Int32(254) - dcs[j]) << Uint32(23))))
+                            sRow[rbase + row_word(c, 1)] = vals[4 * j + 1] * fdi
                             sRow[rbase + row_word(c, 2)] = vals[4 * j + 2]
-                            sRow[rbase + row_word(c, 3)] = vals[4 * j + 3]
-                            sRow[rbase + row_word(c, 4)] = bits_f32(Uint32(dcs[j]) << Uint32(23))
+                            sRow[rbase + row_word(c, 3)] = vals[4 * j + 3] * fdo
+                            sRow[rbase + row_word(c, 4)] = fdo
                             sRow[rbase + row_word(c, 5)] = bits_f32(Uint32(dcs[j]))
                         cute.arch.sync_warp()
                         pipe_q.sync_object_full.arrive(q_state.index, pipe_q.producer_mask)
@@ -1048,14 +1057,13 @@ class AttnBwdSm90:
             lse2 = self.load2(sRow, rbase + row_word(c, 0))
             dl = self.load2(sRow, rbase + row_word(c, 1))
             qx = self.load2(sRow, rbase + row_word(c, 2))
-            dof = self.load2(sRow, rbase + row_word(c, 4))
             if const_expr(mask):
                 edm = self.load2(sRow, rbase + row_word(c, 5))
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     p = ex2(acc_S[i] * kf[rh] * qx[cp] - lse2[cp])
-                    ds = p * (acc_dP[i] * vf[rh] * dof[cp] - dl[cp])
+                    ds = p * (acc_dP[i] * vf[rh] - dl[cp])  # bwd_dof_fold: ds·2^−edo (dl holds D·2^−edo)
                     # interior tiles (mask=False): no pair to zero, so no index arithmetic, compares
                     # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
@@ -1124,8 +1132,10 @@ class AttnBwdSm90:
         self.convert_p(acc_S, tdKrdS)
         self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
+        # bwd_dof_fold: dS' = dS·2^−edo went to dQ; its rows take 2^edo back (word 4 of the row's query)
         for rh in cutlass.range_constexpr(2):
-            dqf[rh] = softmax_scale
+            r = tdQcdQ[2 * rh][0]
+            dqf[rh] = softmax_scale * sRow[rbase + row_word(col_of_query(r), 4)]
         # bwd_dq_bf16: dS itself (no scale group) in BF16; K̂ carries 2^ek
         rdS = cute.make_rmem_tensor(shape_S, self.ds_dtype)
         rdS.store(acc_dP.load().to(self.ds_dtype))

@@ -80,6 +80,7 @@ PARAMS = {
     "bwd_dq_warp": True,
     "bwd_alu_trim": True,
     "bwd_dq_amax_cg": 2,
+    "bwd_row_swz": True,
     "diag_v": True,
     "fwd_tile_n": 128,  # the forward variant this backward pairs with has these key tiles
     "sm_count": 132,
@@ -471,7 +472,11 @@ def row_word(c, which):
     owns 2·ROW_WORDS words, (which, c & 1) interleaved, so a thread reads factor `which` of its
     two adjacent columns with one 8-byte load. which: 0 = LSE·log2 e, 1 = D, 2 = 2^eq·scale·log2 e,
     3 = 2^eq, 4 = 2^edo, 5 = edo + 127 (dO's UE8M0 code, raw int32 bits: read with f32_bits)."""
-    return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1)
+    # bwd_row_swz: threads t = 2, 3 of a quarter warp (bit 2 of c) read their pair's words XOR 8: distinct banks.
+    # Written as ± 8 (`which` is a constant at every call), so the offsets of factors w, w + 1 stay 2 apart and
+    # 16-byte aligned for the compiler, which then merges their 8-byte loads as before
+    sw = 8 * ((c >> 2) & 1)
+    return 2 * ROW_WORDS * (c >> 1) + 2 * which + (c & 1) + (sw if which < 4 else -sw)
 
 
 class AttnBwdSm90:

@@ -1,7 +1,7 @@
-"""dO's power-of-two factor out of the backward's softmax pass (flag `bwd_dof_fold`, experiment, off; twenty-seventh
-session; templates/sm90/attn_bwd.py.j2, docs/kernels/attn_bwd.md). The producer writes D·2^−edo, 2^(eq+edo) and 2^edo;
+"""dO's power-of-two factor out of the backward's softmax pass (flag `bwd_dof_fold`, twenty-seventh session; the
+default of the per-token dQ-on-BF16 tiles since round 30; templates/sm90/attn_bwd.py.j2, docs/kernels/attn_bwd.md). The producer writes D·2^−edo, 2^(eq+edo) and 2^edo;
 the pass computes ds' = ds·2^−edo, dK's fold and dQ's row factor put 2^edo back. CPU: the render (default unchanged,
-refusals, the words, the pass, dQ's factor), the A/B tag, and the arithmetic the flag rests on — every value bit for
+refusals, the words, the pass, dQ's factor, on by default), the A/B tag, and the arithmetic the flag rests on — every value bit for
 bit the default's, edge rows included — replayed in fp32; `-m compile`: sm_90a, not serialised, fewer multiplies."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def _tile(src: str) -> str:
 
 @pytest.mark.parametrize("v", TILES, ids=lambda v: v.name)
 def test_flag_moves_dos_factor_to_the_words_and_dq_rows(v):
-    on, off = _render(v, bwd_dof_fold=True), render_variant(v)
+    on, off = render_variant(v), _render(v, bwd_dof_fold=False)
     ast.parse(on)
     assert _params(on)["bwd_dof_fold"] is True and "bwd_dof_fold" not in _params(off)
+    assert _render(v, bwd_dof_fold=True) == on
     t_on, t_off = _tile(on), _tile(off)
     assert "dof = self.load2(sRow, rbase + row_word(c, 4))" in t_off and "row_word(c, 4)" not in t_on
     assert "ds = p * (acc_dP[i] * vf[rh] * dof[cp] - dl[cp])" in t_off
@@ -84,12 +85,12 @@ def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
     bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "mxfp8"))
-    tagged = [v for t, v in experiment_variants(("doffold",), base_variants=bwd, experiments=EXPERIMENTS)
-              if t == "doffold"]
+    tagged = [v for t, v in experiment_variants(("nodoffold",), base_variants=bwd, experiments=EXPERIMENTS)
+              if t == "nodoffold"]
     assert len(tagged) == 8 and {v.route for v in tagged} == {"fp8_token", "fp8_token_bf16qk"}
-    assert all(_params(_render(v))["bwd_dof_fold"] is True for v in tagged)
-    both = [v for t, v in experiment_variants(("dofswz",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dofswz"]
-    assert len(both) == 8 and all(_params(_render(v)).get("bwd_row_swz") is True for v in both)
+    for v in tagged:
+        p = _params(_render(v))
+        assert "bwd_dof_fold" not in p and p["bwd_row_swz"] is True  # only the fold moves
 
 
 def _pow2(codes: torch.Tensor) -> torch.Tensor:
@@ -152,18 +153,18 @@ def test_the_fold_is_bitwise_in_fp32_edge_rows_included():
 
 @pytest.mark.compile
 def test_compile_dof_fold(compile_sm90, tmp_path):
-    """fp8_token's flagged D = 128 tile compiles for sm_90a, its wgmmas stay asynchronous and its tile loops issue fewer
-    multiplies than the default's (one per element pair of the softmax pass)."""
+    """fp8_token's D = 128 tile (the fold on by default) compiles for sm_90a, its wgmmas stay asynchronous and its tile
+    loops issue fewer multiplies than without the fold (one per element pair of the softmax pass)."""
     from flamia_gen.bench.sass import describe, missing_tools, serialised
 
     v = next(x for x in TILES if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    compile_sm90(v, source=_render(v, bwd_dof_fold=True))
+    compile_sm90(v)
     if missing_tools():
         pytest.skip(missing_tools())
     on = describe(str(tmp_path / f"{v.name}.o"))["loops"]
     assert on and not any(serialised(lp) for lp in on), on
-    compile_sm90(v)
+    compile_sm90(v, source=_render(v, bwd_dof_fold=False))
     off = describe(str(tmp_path / f"{v.name}.o"))["loops"]
     fmul = lambda loops: sum(lp["ops"].get("FMUL", 0) for lp in loops)  # noqa: E731
     assert fmul(on) < fmul(off) - 32, (fmul(on), fmul(off))

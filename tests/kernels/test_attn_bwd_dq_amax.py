@@ -20,7 +20,7 @@ import torch
 
 from flamia_gen.numerics.quantize import pow2_exponent
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
 from flamia_gen.spec import ExponentRule, Format, load_specs
 
 
@@ -203,11 +203,11 @@ def test_bwd_experiments_variants_names_and_support():
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
     # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
-    # 4 deterministic × dyndet, 4 fp8 × (noqperm, nodq16, norowpad, rowswz, nokt, dqfirst, doffold, dofswz), 2 × s3 (the
+    # 4 deterministic × dyndet, 4 fp8 × (noqperm, nodq16, norowswz, nokt, dqfirst, nodoffold), 2 × s3 (the
     # deterministic ones: a third Q stage no longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12
-    # (dqw1 copies only the D = 64 tiles, whose default has two writers; rowpad and the dq16sq tags only the FP8 tiles
-    # of other routes)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 8 + 2 + 2
+    # (dqw1 copies only the D = 64 tiles, whose default has two writers; norowpad and rowswz only fp8_pv's tile, dq16sq
+    # only mxfp8's)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw2":
@@ -229,18 +229,16 @@ def test_bwd_experiments_variants_names_and_support():
             src = _render(v)
             assert ('"bwd_dq_warp": True' in src) is (tag == "noqperm" and "deterministic" not in dict(v.params))
             assert ('"bwd_q_row_perm": True' in src) is (tag == "nodqwarp" and v.route == "fp8_token")
-        elif tag == "norowpad":
-            assert v.route == "fp8_token" and "PAIR_WORDS" not in _render(v)
+        elif tag == "norowswz":  # the kernel before round 30: padded per-query words
+            src = render_variant(v)
+            assert v.route == "fp8_token" and "PAIR_WORDS = 20" in src and '"bwd_row_swz"' not in src
         elif tag == "nokt":
             assert v.route == "fp8_token" and '"bwd_no_kt": True' in _render(v, bwd_dq_bf16=True)
-        elif tag == "rowswz":
-            assert v.route == "fp8_token" and '"bwd_row_swz": True' in _render(v)
         elif tag == "dqfirst":
             assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render(v, bwd_dq_bf16=True)
-        elif tag in ("doffold", "dofswz"):
-            src = _render(v, bwd_dq_bf16=True)
-            assert v.route == "fp8_token" and '"bwd_dof_fold": True' in src
-            assert ('"bwd_row_swz": True' in src) is (tag == "dofswz")
+        elif tag == "nodoffold":
+            src = render_variant(v)
+            assert v.route == "fp8_token" and '"bwd_dof_fold"' not in src and '"bwd_row_swz": True' in src
         elif tag == "nodq16":
             assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
             assert '"bwd_dq_bf16"' not in _render(v)
