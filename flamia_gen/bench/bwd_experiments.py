@@ -49,6 +49,9 @@ _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p
 # the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
 _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
 
+# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64, not deterministic
+_dq_first_default = lambda p: _dq16_per_token(p) and p.get("head_dim") == 64 and not p.get("deterministic")  # noqa: E731
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -80,11 +83,13 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.00×): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes
     "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
-    # bwd_dq_first (twenty-sixth session, experiment; H200 round 30: D = 128 1.00–1.03×, D = 64 0.94–0.96× before the
-    # swizzle and dO's fold were defaults): the BF16-dQ tiles issue dK after dQ and wait for dQ only
+    # bwd_dq_first (twenty-sixth session; H200 round 30: D = 128 1.00–1.03×, off; D = 64 0.96–0.99× over the swizzle and
+    # dO's fold, the default of the per-token tiles' non-deterministic D = 64 copies): dK issued after dQ, dQ waited alone
     "dqfirst": dict(over={"bwd_dq_first": True},
-                    when=bwd_dq_bf16,
+                    when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p),
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
+    "nodqfirst": dict(over={"bwd_dq_first": False}, when=_dq_first_default,
+                      note="dK issued before the dS barrier, dQ waited with it (the D = 64 kernel before round 30)"),
     # bwd_dq_bf16 on mxfp8's 32×32-block dS tile (twenty-seventh session, experiment; H200 round 30: D = 128 0.90–0.94×,
     # D = 64 0.83–0.88× the unswizzled default, but D = 128 slower than the swizzle alone): dQ on BF16 dS and K̂ instead of
     # the 32-query-block E4M3 dS (no column amaxes, their barrier, block or window maxima; the Kᵀ tile goes)

@@ -80,6 +80,7 @@ PARAMS = {
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
     "bwd_row_swz": True,
+    "bwd_dq_first": True,
     "bwd_dof_fold": True,
     "bwd_dq_writers": 2,
     "sm_count": 132,
@@ -1093,7 +1094,6 @@ class AttnBwdSm90:
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             acc_S[i] = acc_S[i] * inv[(i // 2) % 2]
         self.convert_p(acc_S, tdKrdS)
-        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
         # bwd_dof_fold: dS' = dS·2^−edo went to dQ; its rows take 2^edo back (word 4 of the row's query)
         for rh in cutlass.range_constexpr(2):
@@ -1109,9 +1109,8 @@ class AttnBwdSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(q_state)
-        q_state.advance()
+        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dV, dQ done (in order); dK runs on under the dQ epilogue
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
@@ -1129,6 +1128,9 @@ class AttnBwdSm90:
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
         # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
+        warpgroup.wait_group(0)  # dK has read the Q stage (its B) and written acc_dK
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
         bufs[0] = 1 - buf
         return q_state
 

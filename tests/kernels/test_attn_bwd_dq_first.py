@@ -1,7 +1,8 @@
-"""dK issued after dQ in the backward's dQ-on-BF16 tiles (flag `bwd_dq_first`, experiment, off;
-templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dK after dQ").
+"""dK issued after dQ in the backward's dQ-on-BF16 tiles (flag `bwd_dq_first`; the default of fp8_token's and
+fp8_token_bf16qk's non-deterministic D = 64 tiles since round 30; templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md
+"dK after dQ").
 
-CPU: off in every default render; where the flag renders, one_tile issues dK = dSᵀ·Q right after dQ = dS·K, waits with
+CPU: on in exactly those default renders; where the flag renders, one_tile issues dK = dSᵀ·Q right after dQ = dS·K, waits with
 one group left in flight (dK), and releases the Q stage (dK's B operand) only after a full wait at the tile's end;
 refused where dQ is not on BF16. `-m compile`: cross-compiles for sm_90a without ptxas serialising the wgmmas (the
 SASS; fp8_pv's tile did serialise with it, which is why the flag is built for the dq16 tiles only).
@@ -35,16 +36,21 @@ def _one_tile(src: str) -> str:
     return src[start:src.index("\n    @cute.jit", start)]
 
 
-def test_off_by_default():
+ON = [v for v in DQ16 if v.param("head_dim") == 64 and not dict(v.params).get("deterministic")]
+
+
+def test_default_only_on_the_d64_per_token_tiles():
+    assert len(ON) == 4  # two routes × causal or not
     for v in BWD:
-        assert "bwd_dq_first" not in _params(render_variant(v)), v.name
+        assert (_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON), v.name
 
 
 @pytest.mark.parametrize("v", [next(v for v in DQ16 if v.route == r and v.param("causal")
                                     and v.param("head_dim") == d) for r in ("fp8_token", "fp8_token_bf16qk")
                                for d in (64, 128)], ids=lambda v: v.name)
 def test_dk_after_dq_and_the_stage_released_after_dk(v):
-    on, off = _one_tile(_render(v, bwd_dq_first=True)), _one_tile(render_variant(v))
+    on, off = _one_tile(_render(v, bwd_dq_first=True)), _one_tile(_render(v, bwd_dq_first=False))
+    assert _one_tile(render_variant(v)) == (on if v in ON else off)
     assert _params(_render(v, bwd_dq_first=True))["bwd_dq_first"] is True
     dk = "self.gemm(tiled_mma_dkv, acc_dK, tdKrdS,"
     dq = "self.gemm(tiled_mma_dq, acc_dQ,"
@@ -73,11 +79,15 @@ def test_refused_without_dq_on_bf16(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"))
-    tagged = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS)
-              if t == "dqfirst"]
-    assert {v.route for v in tagged} == {"fp8_token", "fp8_token_bf16qk"} and len(tagged) == 8
-    assert all('"bwd_dq_first": True' in _render(v) for v in tagged)
+    for hd, n_on, n_off in ((128, 8, 0), (64, 4, 4)):  # at D = 64 only the deterministic tiles lack it
+        bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"), head_dim=hd)
+        on = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqfirst"]
+        off = [v for t, v in experiment_variants(("nodqfirst",), base_variants=bwd, experiments=EXPERIMENTS)
+               if t == "nodqfirst"]
+        assert len(on) == n_on and len(off) == n_off
+        assert {v.route for v in on + off} == {"fp8_token", "fp8_token_bf16qk"}
+        assert all(_params(render_variant(v)).get("bwd_dq_first") is True for v in on)
+        assert all("bwd_dq_first" not in _params(render_variant(v)) for v in off)
 
 
 @pytest.mark.compile
