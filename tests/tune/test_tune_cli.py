@@ -159,4 +159,5 @@ def test_table_check_and_show_warn_about_entries_timed_on_another_build(run, tmp
     e["winner"]["source_sha256"] = installed_source_sha256("sm90", [e["winner"]["variant"]])[e["winner"]["variant"]]
     p.write_text(json.dumps(table))
     res = run("table", "check", str(p))
-    assert res.exit_code == 0 and "timed on another build" not in res.output
+    # (the shipped table may itself hold entries awaiting a re-tune — round 30's backward defaults — but not this one)
+    assert res.exit_code == 0 and "attn_fwd/fp8_tensor/d128/causal" not in res.output, res.output
