@@ -80,7 +80,7 @@ EXPERIMENTS: dict[str, dict] = {
     # ... and the kernels before it where it is on: padded on the dQ-on-BF16 tiles, plain (two-way conflicts) elsewhere
     "norowswz": dict(over={"bwd_row_swz": False}, when=bwd_row_swz,
                      note="per-query words without the swizzle (the default before round 30: padded where dQ is on BF16)"),
-    # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.00×): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes
+    # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.01×, off): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes
     "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
     # bwd_dq_first (twenty-sixth session; H200 round 30: D = 128 1.00–1.03×, off; D = 64 0.96–0.99× over the swizzle and

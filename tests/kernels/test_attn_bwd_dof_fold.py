@@ -89,8 +89,9 @@ def test_ab_tag():
               if t == "nodoffold"]
     assert len(tagged) == 8 and {v.route for v in tagged} == {"fp8_token", "fp8_token_bf16qk"}
     for v in tagged:
-        p = _params(_render(v))
-        assert "bwd_dof_fold" not in p and p["bwd_row_swz"] is True  # only the fold moves
+        p, b = _params(_render(v)), _params(render_variant(next(x for x in bwd if v.name.startswith(x.name + "_x"))))
+        assert b["bwd_dof_fold"] is True and "bwd_dof_fold" not in p  # the base has the fold by default, the copy not
+        assert {**p, "bwd_dof_fold": True, "name": b["name"]} == b  # and only the fold moves
 
 
 def _pow2(codes: torch.Tensor) -> torch.Tensor:

@@ -97,12 +97,15 @@ def test_ab_tags():
               for t in ("norowpad", "norowswz", "rowswz")}
     assert len(tagged["norowpad"]) == 4 and {v.route for v in tagged["norowpad"]} == {"fp8_pv"}
     assert all("PAIR_WORDS" not in _render(v) and "bwd_row_swz" not in _render(v) for v in tagged["norowpad"])
-    assert len(tagged["rowswz"]) == 4 and all('"bwd_row_swz": True' in _render(v) for v in tagged["rowswz"])
+    base = lambda v: render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x")))  # noqa: E731
+    # each tag turns its flag the other way from the base kernel's default
+    assert len(tagged["rowswz"]) == 4 and all('"bwd_row_swz": True' in _render(v) and '"bwd_row_swz"' not in base(v)
+                                              for v in tagged["rowswz"])
     assert len(tagged["norowswz"]) == 12
     assert {v.route for v in tagged["norowswz"]} == {"fp8_token", "fp8_token_bf16qk", "mxfp8"}
     for v in tagged["norowswz"]:
         src = _render(v)
-        assert "bwd_row_swz" not in src and ("PAIR_WORDS = 20" in src) is (v.route != "mxfp8"), v.name
+        assert '"bwd_row_swz": True' in base(v) and "bwd_row_swz" not in src and ("PAIR_WORDS = 20" in src) is (v.route != "mxfp8"), v.name
 
 
 def test_feasibility_model_agrees_with_the_template():
