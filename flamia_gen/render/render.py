@@ -10,7 +10,7 @@ import ast
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -79,6 +79,18 @@ def render_variant(variant: Variant, root: Path | None = None) -> str:
     except SyntaxError as e:
         raise ValueError(f"rendered {variant.name} is not valid Python: line {e.lineno}: {e.msg}") from None
     return text
+
+
+def render_with_flags(variant: Variant, **flags) -> str:
+    """The variant with `flags` set in its params, rendered: how A/B copies and tests render a flag on or off."""
+    return render_variant(replace(variant, params=tuple(sorted({**dict(variant.params), **flags}.items()))))
+
+
+def rendered_params(source: str) -> dict:
+    """The `PARAMS` literal of a rendered source, read without importing it (None if it has none)."""
+    from ..build.bundle import _module_literal  # lazily: flamia_gen.build.bundle imports this package
+
+    return _module_literal(source, "PARAMS")
 
 
 @dataclass

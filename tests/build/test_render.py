@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render import check_generated, render_all, render_variant
+from flamia_gen.render import check_generated, render_all, render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,23 @@ def test_missing_template_is_a_clear_error(plan, monkeypatch, tmp_path):
 def test_committed_generated_matches_templates(full_plan):
     problems = check_generated(full_plan.variants)
     assert problems == [], "generated/ is stale; run `flamia-gen render`:\n" + "\n".join(problems[:20])
+
+
+@pytest.mark.skipif(not (REPO / "templates" / "sm90" / "attn_bwd.py.j2").exists(),
+                    reason="attn_bwd template not present")
+def test_render_with_flags_and_rendered_params(full_plan):
+    """No flags: render_variant's bytes; a flag the template reads (fp8_token's dO-factor fold, on by default)
+    changes the source and its PARAMS; rendered_params reads the PARAMS literal."""
+    v = next(x for x in full_plan.variants if x.kind.value == "attn_bwd" and x.arch.value == "sm90"
+             and x.route == "fp8_token")
+    src = render_variant(v)
+    assert render_with_flags(v) == src
+    p = rendered_params(src)
+    assert p["name"] == v.name and p["head_dim"] == v.param("head_dim") and p["bwd_dof_fold"] is True
+    off = render_with_flags(v, bwd_dof_fold=False)
+    assert off != src and "bwd_dof_fold" not in rendered_params(off)
+    assert render_with_flags(v, bwd_dof_fold=True) == src and "bwd_dof_fold" not in dict(v.params)
+    assert rendered_params("X = 1\n") is None
 
 
 def test_edited_template_is_picked_up(plan, monkeypatch, tmp_path):

@@ -7,29 +7,18 @@ bit the default's, edge rows included — replayed in fp32; `-m compile`: sm_90a
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
 
 import jinja2
 import pytest
 import torch
 
-from flamia_gen.build.bundle import _module_literal
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 TILES = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-
-
-def _render(v, **over) -> str:
-    """The variant rendered with template flags set, as bench.bwd_experiments builds its A/B copies."""
-    return render_variant(replace(v, params=tuple(sorted({**dict(v.params), **over}.items()))))
-
-
-def _params(src: str) -> dict:
-    return _module_literal(src, "PARAMS")
 
 
 def _tile(src: str) -> str:
@@ -39,10 +28,10 @@ def _tile(src: str) -> str:
 
 @pytest.mark.parametrize("v", TILES, ids=lambda v: v.name)
 def test_flag_moves_dos_factor_to_the_words_and_dq_rows(v):
-    on, off = render_variant(v), _render(v, bwd_dof_fold=False)
+    on, off = render_variant(v), render_with_flags(v, bwd_dof_fold=False)
     ast.parse(on)
-    assert _params(on)["bwd_dof_fold"] is True and "bwd_dof_fold" not in _params(off)
-    assert _render(v, bwd_dof_fold=True) == on
+    assert rendered_params(on)["bwd_dof_fold"] is True and "bwd_dof_fold" not in rendered_params(off)
+    assert render_with_flags(v, bwd_dof_fold=True) == on
     t_on, t_off = _tile(on), _tile(off)
     assert "dof = self.load2(sRow, rbase + row_word(c, 4))" in t_off and "row_word(c, 4)" not in t_on
     assert "ds = p * (acc_dP[i] * vf[rh] * dof[cp] - dl[cp])" in t_off
@@ -69,16 +58,16 @@ def _refused():
 @pytest.mark.parametrize("v", _refused(), ids=lambda v: v.name)
 def test_flag_refused_elsewhere(v):
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dof_fold"):
-        _render(v, bwd_dof_fold=True)
+        render_with_flags(v, bwd_dof_fold=True)
     if v.route == "mxfp8":  # mxfp8's dQ on BF16 (an experiment itself) does not take it either
         with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dof_fold"):
-            _render(v, bwd_dof_fold=True, bwd_dq_bf16=True)
+            render_with_flags(v, bwd_dof_fold=True, bwd_dq_bf16=True)
 
 
 def test_refused_without_dq_on_bf16():
     v = next(x for x in TILES if x.route == "fp8_token")
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dof_fold"):
-        _render(v, bwd_dof_fold=True, bwd_dq_bf16=False)
+        render_with_flags(v, bwd_dof_fold=True, bwd_dq_bf16=False)
 
 
 def test_ab_tag():
@@ -89,7 +78,8 @@ def test_ab_tag():
               if t == "nodoffold"]
     assert len(tagged) == 8 and {v.route for v in tagged} == {"fp8_token", "fp8_token_bf16qk"}
     for v in tagged:
-        p, b = _params(_render(v)), _params(render_variant(next(x for x in bwd if v.name.startswith(x.name + "_x"))))
+        base = next(x for x in bwd if v.name.startswith(x.name + "_x"))
+        p, b = rendered_params(render_variant(v)), rendered_params(render_variant(base))
         assert b["bwd_dof_fold"] is True and "bwd_dof_fold" not in p  # the base has the fold by default, the copy not
         assert {**p, "bwd_dof_fold": True, "name": b["name"]} == b  # and only the fold moves
 
@@ -165,7 +155,7 @@ def test_compile_dof_fold(compile_sm90, tmp_path):
         pytest.skip(missing_tools())
     on = describe(str(tmp_path / f"{v.name}.o"))["loops"]
     assert on and not any(serialised(lp) for lp in on), on
-    compile_sm90(v, source=_render(v, bwd_dof_fold=False))
+    compile_sm90(v, source=render_with_flags(v, bwd_dof_fold=False))
     off = describe(str(tmp_path / f"{v.name}.o"))["loops"]
     fmul = lambda loops: sum(lp["ops"].get("FMUL", 0) for lp in loops)  # noqa: E731
     assert fmul(on) < fmul(off) - 32, (fmul(on), fmul(off))

@@ -20,24 +20,22 @@ import torch
 
 from flamia_gen.numerics.quantize import pow2_exponent
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import ExponentRule, Format, load_specs
 
 
 @pytest.fixture(scope="module")
 def fp8_variant():
-    """fp8_token_bf16qk's tile (rendered with the FP8 dQ, see _render)."""
+    """fp8_token_bf16qk's tile (rendered with the FP8 dQ, see _render_fp8_dq)."""
     plan = make_plan(load_specs(), arch="sm90")
     return next(v for v in plan.variants if v.kind.value == "attn_bwd" and v.route == "fp8_token_bf16qk"
                 and v.param("head_dim") == 128 and v.param("causal") and not dict(v.params).get("deterministic"))
 
 
-def _render(v, **over) -> str:
-    """With the FP8 dQ (bwd_dq_bf16 off): since 2026-12-04 every per-token dS tile takes dQ on BF16 by default, and the
-    dQ amax lives on as the `nodq16` A/B copy's."""
-    ctx = {"bwd_dq_bf16": False, **dict(v.context), **over}
-    body = _environment(templates_dir()).get_template(v.template).render(**ctx)
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+def _render_fp8_dq(v, **over) -> str:
+    """render_with_flags with the FP8 dQ (bwd_dq_bf16 off) unless asked: since 2026-12-04 every per-token dS tile takes
+    dQ on BF16 by default, and the dQ amax lives on as the `nodq16` A/B copy's."""
+    return render_with_flags(v, **{"bwd_dq_bf16": False, **over})
 
 
 def _bits(x: float) -> int:
@@ -100,7 +98,7 @@ def _simulate(ns, vals: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("cg", [1, 2, 4])
 def test_reduce_scatter_owner_is_the_column_it_holds(fp8_variant, cg):
-    src = _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=cg)
+    src = _render_fp8_dq(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=cg)
     ns = _helpers(src)
     assert ns["DQ_AMAX_CG"] == cg and ns["DQ_AMAX_SCATTER"] == {1: 1, 2: 2, 4: 3}[cg]
     # the round rule the simulation restates, as the kernel has it
@@ -128,17 +126,17 @@ def test_on_by_default_and_the_untrimmed_kernel_renders(fp8_variant):
     """On by default since its H200 run (2026-12-01: bitwise the untrimmed kernel's values): batches of 2
     column groups, no per-column branch. Off (bwd_alu_trim=False): none of the trim, the kernel verified
     before it; bwd_dq_amax_cg=0 keeps the per-column butterfly and its lane < 4 atomics."""
-    off = _render(fp8_variant, bwd_alu_trim=False)
+    off = _render_fp8_dq(fp8_variant, bwd_alu_trim=False)
     assert "bwd_alu_trim" not in off and "DQ_AMAX_CG" not in off and "ds_key" not in off
     assert "if lane < 4:" in off and "sRow[rbase + row_word(c, 5)] = Float32(dcs[j] - 127)" in off
-    on = _render(fp8_variant)
-    assert on == _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=2)
+    on = _render_fp8_dq(fp8_variant)
+    assert on == _render_fp8_dq(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=2)
     assert '"bwd_alu_trim": True' in on and "DQ_AMAX_CG = 2" in on and "if lane < 4:" not in on
     assert "sRow[rbase + row_word(c, 5)] = bits_f32(Uint32(dcs[j]))" in on and "Int32(ed[cp])" not in on
-    old = _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=0)
+    old = _render_fp8_dq(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=0)
     assert "DQ_AMAX_CG = 0" in old and "if lane < 4:" in old and "cg_own, cp_own = dq_amax_owned(lane, b)" not in old
     with pytest.raises(Exception, match="bwd_dq_amax_cg"):
-        _render(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=3)
+        _render_fp8_dq(fp8_variant, bwd_alu_trim=True, bwd_dq_amax_cg=3)
 
 
 def _amax_samples() -> list[float]:
@@ -150,7 +148,7 @@ def _amax_samples() -> list[float]:
 
 
 def test_order_keys_give_the_contract_exponent(fp8_variant):
-    ns = _helpers(_render(fp8_variant, bwd_alu_trim=True))
+    ns = _helpers(_render_fp8_dq(fp8_variant, bwd_alu_trim=True))
     amax = _amax_samples()
     ref, _, _ = pow2_exponent(torch.tensor(amax, dtype=torch.float32), Format.e4m3, ExponentRule.ceil)
     for a, e in zip(amax, ref.tolist()):
@@ -180,10 +178,10 @@ def test_compile_trim_variant(fp8_variant, compile_sm90, tmp_path, det):
     v = fp8_variant if not det else next(
         x for x in plan.variants if x.kind.value == "attn_bwd" and x.route == fp8_variant.route and x.param("head_dim") == 128
         and x.param("causal") and dict(x.params).get("deterministic"))
-    off = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=False)))
+    off = _ptx_counts(compile_sm90(v, source=_render_fp8_dq(v, bwd_alu_trim=False)))
     for p in (tmp_path / "dump").glob("*.ptx"):
         p.unlink()
-    on = _ptx_counts(compile_sm90(v, source=_render(v, bwd_alu_trim=True)))
+    on = _ptx_counts(compile_sm90(v, source=_render_fp8_dq(v, bwd_alu_trim=True)))
     assert on["ex2"] == off["ex2"] == 64
     assert off["atom_max"] == 32 and on["atom_max"] == 8, (off, on)
     assert on["shfl"] <= off["shfl"] - 60, (off, on)
@@ -211,40 +209,40 @@ def test_bwd_experiments_variants_names_and_support():
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw2":
-            assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render(v)
+            assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render_fp8_dq(v)
         elif tag in ("dhs1", "dyndet"):
-            src = _render(v)
+            src = _render_fp8_dq(v)
             assert bool(dict(v.params).get("deterministic")) is (tag == "dyndet")
             assert "class DynamicScheduler:" in src and '"bwd_dynamic": True' in src
             assert ('"bwd_head_section": 1' in src) is (tag == "dhs1")
         elif tag in ("pers", "onecta", "hs0", "hs1"):
-            src = _render(v)
+            src = _render_fp8_dq(v)
             assert "deterministic" not in dict(v.params) and "class DynamicScheduler:" not in src
             assert ("class LongestFirstScheduler:" in src) is (tag == "pers")
             assert ('"bwd_head_section": 1' in src) is (tag == "hs1")
             assert ('"bwd_head_section": 2' in src) is (tag == "onecta")
         elif tag == "s3":
-            assert v.route == "fp8_token" and dict(v.params)["stages"] == 3 and "STAGES = 3" in _render(v)
+            assert v.route == "fp8_token" and dict(v.params)["stages"] == 3 and "STAGES = 3" in _render_fp8_dq(v)
         elif tag in ("nodqwarp", "noqperm", "r12"):
-            src = _render(v)
+            src = _render_fp8_dq(v)
             assert ('"bwd_dq_warp": True' in src) is (tag == "noqperm" and "deterministic" not in dict(v.params))
             assert ('"bwd_q_row_perm": True' in src) is (tag == "nodqwarp" and v.route == "fp8_token")
         elif tag == "norowswz":  # the kernel before round 30: padded per-query words
             src = render_variant(v)
             assert v.route == "fp8_token" and "PAIR_WORDS = 20" in src and '"bwd_row_swz"' not in src
         elif tag == "nokt":
-            assert v.route == "fp8_token" and '"bwd_no_kt": True' in _render(v, bwd_dq_bf16=True)
+            assert v.route == "fp8_token" and '"bwd_no_kt": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
         elif tag == "dqfirst":
-            assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render(v, bwd_dq_bf16=True)
+            assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
         elif tag == "nodoffold":
             src = render_variant(v)
             assert v.route == "fp8_token" and '"bwd_dof_fold"' not in src and '"bwd_row_swz": True' in src
         elif tag == "nodq16":
             assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
-            assert '"bwd_dq_bf16"' not in _render(v)
+            assert '"bwd_dq_bf16"' not in _render_fp8_dq(v)
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
-            src = _render(v)
+            src = _render_fp8_dq(v)
             if tag == "notrim":
                 assert "bwd_alu_trim" not in src
             else:

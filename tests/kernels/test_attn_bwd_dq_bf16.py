@@ -17,7 +17,7 @@ from flamia_gen.numerics.metrics import cosine
 from flamia_gen.numerics.reference import attention_backward
 from flamia_gen.numerics.reference_route import route_backward, route_forward
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import get_route, load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
@@ -26,30 +26,19 @@ TILE = [v for v in BWD if v.route == "fp8_token"]  # the deterministic tile too
 BQK = [v for v in BWD if v.route == "fp8_token_bf16qk"]
 
 
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
-def _params(src: str) -> dict:
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
-    return ast.literal_eval(node.value)
-
-
 def test_on_by_default_for_the_per_token_e4m3_ds_tiles_only():
     on = {v.name for v in TILE + BQK}
     assert len(on) == 16  # fp8_token, fp8_token_bf16qk × D 64, 128 × causal or not × deterministic or not (m64n128)
     for v in BWD:
         src = render_variant(v)
-        assert (_params(src).get("bwd_dq_bf16") is True) is (v.name in on), v.name
+        assert (rendered_params(src).get("bwd_dq_bf16") is True) is (v.name in on), v.name
         assert ("def k_to_bf16(" in src) is (v.route == "fp8_token"), v.name
 
 
 @pytest.mark.parametrize("v", TILE, ids=lambda v: v.name)
 def test_flag_drops_the_dq_amax_and_takes_a_bf16_k_tile(v):
-    on, off = render_variant(v), _render(v, bwd_dq_bf16=False)
-    assert _params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in _params(off)
+    on, off = render_variant(v), render_with_flags(v, bwd_dq_bf16=False)
+    assert rendered_params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in rendered_params(off)
     for s, want in ((on, True), (off, False)):
         assert ("def k_to_bf16(" in s) is want
         assert ("sK16: cute.struct.Align[cute.struct.MemRange[BFloat16" in s) is want
@@ -77,7 +66,7 @@ def _refused():
 @pytest.mark.parametrize("v", _refused(), ids=lambda v: v.name)
 def test_flag_refused_outside_the_plain_fp8_token_tile(v):
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_bf16"):
-        _render(v, bwd_dq_bf16=True)
+        render_with_flags(v, bwd_dq_bf16=True)
 
 
 def test_ab_tag_applies_to_the_fp8_token_tile_only():
@@ -89,16 +78,16 @@ def test_ab_tag_applies_to_the_fp8_token_tile_only():
     assert len(tagged) == 4 and all(v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False for v in tagged)
     bqk, _ = base_variants(routes=("fp8_token_bf16qk",))
     tagged = [v for t, v in experiment_variants(("nodq16",), base_variants=bqk, experiments=EXPERIMENTS) if t == "nodq16"]
-    assert len(tagged) == 4 and all(dict(v.params)["bwd_dq_bf16"] is False and "ds_key(am[0])" in _render(v)
+    assert len(tagged) == 4 and all(dict(v.params)["bwd_dq_bf16"] is False and "ds_key(am[0])" in render_variant(v)
                                     for v in tagged)
-    assert all("def k_to_bf16(" not in _render(v) for v in tagged)
+    assert all("def k_to_bf16(" not in render_variant(v) for v in tagged)
 
 
 @pytest.mark.parametrize("v", BQK, ids=lambda v: v.name)
 def test_bf16qk_flag_takes_the_bf16_k_of_the_scores(v):
     """fp8_token_bf16qk (on since 2026-12-04): dQ = dS·K on the BF16 sK the tile holds for Sᵀ; no K̂ tile, no dQ amax."""
-    on, off = render_variant(v), _render(v, bwd_dq_bf16=False)
-    assert _params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in _params(off)
+    on, off = render_variant(v), render_with_flags(v, bwd_dq_bf16=False)
+    assert rendered_params(on)["bwd_dq_bf16"] is True and "bwd_dq_bf16" not in rendered_params(off)
     ast.parse(on)
     assert "def k_to_bf16(" not in on and "sK16" not in on
     assert "sKb = cute.composition(sK, cute.make_ordered_layout((d, n), order=(1, 0)))" in on
@@ -171,9 +160,9 @@ def test_compile_dq_bf16(compile_sm90):
                          ids=lambda v: v.name)
 def test_no_kt_drops_the_kt_load_and_its_bytes(v):
     """bwd_no_kt (experiment, off): the producer issues no Kᵀ copy and the K/V stage expects n·d bytes fewer."""
-    on, off = _render(v, bwd_no_kt=True), render_variant(v)
+    on, off = render_with_flags(v, bwd_no_kt=True), render_variant(v)
     ast.parse(on)
-    assert _params(on)["bwd_no_kt"] is True and "bwd_no_kt" not in _params(off)
+    assert rendered_params(on)["bwd_no_kt"] is True and "bwd_no_kt" not in rendered_params(off)
     assert "cute.copy(tma_atom_kt, tKtgKt, tKtsKt, tma_bar_ptr=bar)" in off
     assert "tma_atom_kt, tKtgKt" not in on
     assert "self.bytes_kv -= n * d" in on and "self.bytes_kv -= n * d" not in off
@@ -185,7 +174,7 @@ def test_no_kt_drops_the_kt_load_and_its_bytes(v):
 @pytest.mark.parametrize("v", _refused()[:3] + [next(x for x in TILE if x.param("causal"))], ids=lambda v: v.name)
 def test_no_kt_refused_without_dq_bf16(v):
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_no_kt"):
-        _render(v, bwd_no_kt=True, **({"bwd_dq_bf16": False} if v.route == "fp8_token" else {}))
+        render_with_flags(v, bwd_no_kt=True, **({"bwd_dq_bf16": False} if v.route == "fp8_token" else {}))
 
 
 # mxfp8's 32×32-block dS tile (experiment, off; twenty-seventh session): dQ on BF16 dS and K̂, no Kᵀ tile
@@ -198,7 +187,7 @@ def test_mxfp8_flag_is_off_by_default_and_the_smem_model_follows():
     assert len(MX) == 8
     for v in MX:
         p = dict(v.params)
-        assert not bwd_dq_bf16(p) and "bwd_dq_bf16" not in _params(render_variant(v))
+        assert not bwd_dq_bf16(p) and "bwd_dq_bf16" not in rendered_params(render_variant(v))
         on = dict(p, bwd_dq_bf16=True, bwd_row_pad=False)
         assert bwd_dq_bf16(on)
         # BF16 dS (+ m·n·2 bytes), the K̂ tile (+ 2·n·d), no Kᵀ tile (− n·d)
@@ -212,13 +201,13 @@ def test_mxfp8_flag_is_off_by_default_and_the_smem_model_follows():
 
 @pytest.mark.parametrize("v", MX, ids=lambda v: v.name)
 def test_mxfp8_flag_drops_the_dq_block_exponent_and_the_kt_tile(v):
-    on, off = _render(v, bwd_dq_bf16=True), render_variant(v)
+    on, off = render_with_flags(v, bwd_dq_bf16=True), render_variant(v)
     ast.parse(on)
-    p = _params(on)
+    p = rendered_params(on)
     # the per-query words swizzled as every FP8 tile's but fp8_pv's (round 30); the padding where asked for
     assert p["bwd_dq_bf16"] is True and p["bwd_no_kt"] is True and p.get("bwd_row_swz") is True and "bwd_row_pad" not in p
-    assert _params(_render(v, bwd_dq_bf16=True, bwd_row_pad=True)).get("bwd_row_pad") is True
-    assert "bwd_row_swz" not in _params(_render(v, bwd_dq_bf16=True, bwd_row_pad=True))
+    assert rendered_params(render_with_flags(v, bwd_dq_bf16=True, bwd_row_pad=True)).get("bwd_row_pad") is True
+    assert "bwd_row_swz" not in rendered_params(render_with_flags(v, bwd_dq_bf16=True, bwd_row_pad=True))
     assert "def k_to_bf16(" in on and "def k_to_bf16(" not in off
     # the Kᵀ tile: neither allocated nor loaded (its name aliases sK16) and the stage expects n·d bytes fewer
     assert "sKt: cute.struct.Align" in off and "sKt: cute.struct.Align" not in on
@@ -244,7 +233,7 @@ def test_mxfp8_ab_tag():
     tagged = [v for t, v in experiment_variants(("dq16sq",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dq16sq"]
     assert len(tagged) == 4 and all(v.route == "mxfp8" for v in tagged)  # D = 128 × causal or not × det or not
     for v in tagged:
-        p = _params(_render(v))
+        p = rendered_params(render_variant(v))
         assert p["bwd_dq_bf16"] is True and p.get("bwd_row_swz") is True and "bwd_row_pad" not in p
 
 
@@ -267,7 +256,7 @@ def test_compile_mxfp8_dq_bf16_not_serialised(compile_sm90, tmp_path):
     from flamia_gen.bench.sass import describe, missing_tools, serialised
 
     v = next(x for x in MX if x.param("head_dim") == 128 and x.param("causal") and not dict(x.params).get("deterministic"))
-    ptx = compile_sm90(v, source=_render(v, bwd_dq_bf16=True, bwd_row_pad=False))
+    ptx = compile_sm90(v, source=render_with_flags(v, bwd_dq_bf16=True, bwd_row_pad=False))
     assert ".bf16.bf16" in ptx and "atom.shared.max" not in ptx
     if missing_tools():
         pytest.skip(missing_tools())

@@ -15,20 +15,13 @@ import re
 import jinja2
 import pytest
 
-from flamia_gen.build.bundle import _module_literal
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
-
-from test_attn_bwd_template import _render_with as _render
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-
-
-def _params(src: str) -> dict:
-    return _module_literal(src, "PARAMS")
 
 
 def _one_tile(src: str) -> str:
@@ -42,16 +35,16 @@ ON = [v for v in DQ16 if v.param("head_dim") == 64 and not dict(v.params).get("d
 def test_default_only_on_the_d64_per_token_tiles():
     assert len(ON) == 4  # two routes × causal or not
     for v in BWD:
-        assert (_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON), v.name
+        assert (rendered_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON), v.name
 
 
 @pytest.mark.parametrize("v", [next(v for v in DQ16 if v.route == r and v.param("causal")
                                     and v.param("head_dim") == d) for r in ("fp8_token", "fp8_token_bf16qk")
                                for d in (64, 128)], ids=lambda v: v.name)
 def test_dk_after_dq_and_the_stage_released_after_dk(v):
-    on, off = _one_tile(_render(v, bwd_dq_first=True)), _one_tile(_render(v, bwd_dq_first=False))
+    on, off = _one_tile(render_with_flags(v, bwd_dq_first=True)), _one_tile(render_with_flags(v, bwd_dq_first=False))
     assert _one_tile(render_variant(v)) == (on if v in ON else off)
-    assert _params(_render(v, bwd_dq_first=True))["bwd_dq_first"] is True
+    assert rendered_params(render_with_flags(v, bwd_dq_first=True))["bwd_dq_first"] is True
     dk = "self.gemm(tiled_mma_dkv, acc_dK, tdKrdS,"
     dq = "self.gemm(tiled_mma_dq, acc_dQ,"
     for src, first in ((on, True), (off, False)):
@@ -73,7 +66,7 @@ def test_dk_after_dq_and_the_stage_released_after_dk(v):
 def test_refused_without_dq_on_bf16(v):
     over = {"bwd_dq_bf16": False} if v.route == "fp8_token" else {}
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_first"):
-        _render(v, bwd_dq_first=True, **over)
+        render_with_flags(v, bwd_dq_first=True, **over)
 
 
 def test_ab_tag():
@@ -87,7 +80,8 @@ def test_ab_tag():
         assert len(on) == n_on and len(off) == n_off
         assert {v.route for v in on + off} == {"fp8_token", "fp8_token_bf16qk"}
         # each tag turns the flag the other way from its base kernel's default (the tags' `when` mirrors the template)
-        base = lambda v: _params(render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x"))))  # noqa: E731
+        base = lambda v: rendered_params(  # noqa: E731
+            render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x"))))
         assert all("bwd_dq_first" not in base(v) for v in on)
         assert all(base(v).get("bwd_dq_first") is True for v in off)
 
@@ -102,7 +96,7 @@ def test_compile_dq_first_not_serialised(compile_sm90, tmp_path):
 
     v = next(x for x in DQ16 if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    ptx = compile_sm90(v, source=_render(v, bwd_dq_first=True))
+    ptx = compile_sm90(v, source=render_with_flags(v, bwd_dq_first=True))
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
     loops = describe(str(tmp_path / f"{v.name}.o"))["loops"]
     assert loops and not any(serialised(lp) for lp in loops), loops

@@ -10,29 +10,17 @@ On the H200 `bench.bwd_experiments` compares dQ, dK, dV with the kernel without 
 
 from __future__ import annotations
 
-import ast
 import random
 import re
 
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
-
-
-def _params(src: str) -> dict:
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
-    return ast.literal_eval(node.value)
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _between(src: str, start: str, end: str) -> str:
@@ -59,7 +47,7 @@ def test_on_by_default_where_the_rows_go_by_bulk_copies():
     """Every non-deterministic backward with the per-row bulk dQ path has the writer warp, except fp8_tensor's two
     launches (its amax launch has no dQ tiles); `_det` variants keep the ordered per-element adds."""
     for v in BWD:
-        p = _params(render_variant(v))
+        p = rendered_params(render_variant(v))
         want = not p.get("deterministic") and p["ds_gran"] != "tensor"
         assert bool(p.get("bwd_dq_warp")) is want, v.name
         assert bool(p.get("bwd_dq_bulk")) is (not p.get("deterministic"))
@@ -70,7 +58,7 @@ def test_on_by_default_where_the_rows_go_by_bulk_copies():
 def test_protocol_read_from_the_kernel(v):
     src = render_variant(v)
     c = _constants(src)
-    wg = _params(src)["compute_warpgroups"]
+    wg = rendered_params(src)["compute_warpgroups"]
     nw = c["writers"]
     assert c["threads"] == 128 * wg + 32 * nw and nw in (1, 2)
     full, empty = c["DQ_FULL_BAR"], c["DQ_EMPTY_BAR"]
@@ -117,7 +105,7 @@ def test_protocol_read_from_the_kernel(v):
     # together the writer warps cover every row of the tile exactly once
     loop = re.search(r"for j in cutlass\.range_constexpr\(self\.tile_m // (?:32|\(32 \* DQ_WRITERS\))\):\s+r = (.+?)(?:  #.*)?$",
                      writer, re.M)
-    tile_m = _params(src)["tile_m"]
+    tile_m = rendered_params(src)["tile_m"]
     rows = [eval(loop.group(1), {"lane": lane, "wk": wk, "j": j, "DQ_WRITERS": nw})  # noqa: S307 (our render)
             for wk in range(nw) for lane in range(32) for j in range(tile_m // (32 * nw))]
     assert sorted(rows) == list(range(tile_m))
@@ -278,7 +266,7 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
         b = base[bx.split_name(v.name, bx.EXPERIMENTS)[0]]
         sv, sb = render_variant(v), render_variant(b)
         if body(sv, v.name) == body(sb, b.name):
-            pv, pb = _params(sv), _params(sb)
+            pv, pb = rendered_params(sv), rendered_params(sb)
             assert pv.get("bwd_head_section") != pb.get("bwd_head_section"), (tag, b.name)
         seen.add(tag)
     assert {"nodqwarp", "noqperm", "r12", "dqw1", "dqw2", "s3", "pers", "hs0", "hs1"} <= seen
@@ -288,16 +276,16 @@ def test_two_writer_warps_where_one_was_the_limit():
     """bwd_dq_writers: 2 at D = 64 with the writer warp (every route that has it), else 1 (no key rendered); a count
     other than 1 or 2 refuses to render."""
     for v in BWD:
-        p = _params(render_variant(v))
+        p = rendered_params(render_variant(v))
         want = 2 if (p.get("bwd_dq_warp") and p["head_dim"] == 64) else None
         assert p.get("bwd_dq_writers") == want, v.name
     v = next(x for x in BWD if x.route == "fp8_token" and not dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="bwd_dq_writers_must_be_1_or_2"):
-        _render(v, bwd_dq_writers=3)
+        render_with_flags(v, bwd_dq_writers=3)
     # a tile the writer warps cannot split into whole 32-row shares refuses to render (its rows would not be copied)
     with pytest.raises(Exception, match="tile_m_must_be_a_multiple_of_32_per_dq_writer_warp"):
-        _render(v, bwd_dq_writers=2, tile_m=32)
-    assert '"bwd_dq_writers": 2' in _render(v, bwd_dq_writers=2)
+        render_with_flags(v, bwd_dq_writers=2, tile_m=32)
+    assert '"bwd_dq_writers": 2' in render_with_flags(v, bwd_dq_writers=2)
 
 
 @pytest.mark.compile

@@ -12,16 +12,11 @@ import re
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _literal(src: str, name: str):
@@ -43,7 +38,7 @@ def test_dynamic_scheduler_and_two_head_sections_by_default_where_the_schedule_a
 
     seen = {True: 0, False: 0}
     for v in BWD:
-        src = _render(v)
+        src = render_variant(v)
         p = _literal(src, "PARAMS")
         dyn = _dynamic_by_default(dict(v.params))
         assert dyn == _dynamic_default(dict(v.params)), v.name
@@ -59,8 +54,9 @@ def test_dynamic_scheduler_and_two_head_sections_by_default_where_the_schedule_a
     assert any(dict(v.params).get("ds_gran") == "square_32" and _dynamic_by_default(dict(v.params)) for v in BWD)
     det = next(x for x in BWD if dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="deterministic_dq_needs_a_persistent_scheduler"):
-        _render(det, bwd_persistent=False)
-    assert _literal(_render(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2  # sections keep its order
+        render_with_flags(det, bwd_persistent=False)
+    # sections keep its order
+    assert _literal(render_with_flags(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2
 
 
 def test_one_cta_per_unit_renders_the_padding_exit_first():
@@ -68,7 +64,7 @@ def test_one_cta_per_unit_renders_the_padding_exit_first():
     unit's CTA leaves before any set-up (its first statement), every thread of it."""
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    src = _render(v, bwd_persistent=False)
+    src = render_with_flags(v, bwd_persistent=False)
     p = _literal(src, "PARAMS")
     assert p.get("bwd_persistent") is False and p.get("bwd_head_section") == 2 and "bwd_dynamic" not in p
     assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src and "unit_counter" not in src
@@ -81,11 +77,11 @@ def test_one_cta_per_unit_renders_the_padding_exit_first():
 def test_flag_renders_the_unit_list():
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    off = _render(v, bwd_dynamic=False, bwd_head_section=0)
+    off = render_with_flags(v, bwd_dynamic=False, bwd_head_section=0)
     assert "bwd_head_section" not in _literal(off, "PARAMS") and "bwd_persistent" not in _literal(off, "PARAMS")
     assert next(a for a in _literal(off, "ARGS") if a["name"] == "work")["shape"] == ["NUM_WORK", "3"]
     assert "hkv = mWork[item, 3]" not in off
-    on = _render(v, bwd_head_section=2)
+    on = render_with_flags(v, bwd_head_section=2)
     assert _literal(on, "PARAMS")["bwd_head_section"] == 2
     assert next(a for a in _literal(on, "ARGS") if a["name"] == "work")["shape"] == ["NUM_UNITS", "4"]
     assert "hkv = mWork[item, 3]" in on and "item = unit // HKV" not in on
@@ -99,7 +95,7 @@ def test_compile_head_sections_one_cta_per_unit(compile_sm90):
     """Cross-compiles the flag with the one-CTA-per-unit scheduler (the A/B copy `onecta` of bench.bwd_experiments)."""
     v = next(x for x in BWD if x.route == "bf16" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    ptx = compile_sm90(v, source=_render(v, bwd_persistent=False))  # bwd_head_section 2 by default
+    ptx = compile_sm90(v, source=render_with_flags(v, bwd_persistent=False))  # bwd_head_section 2 by default
     assert "cp.reduce.async.bulk" in ptx
     assert len(re.findall(r"^\s*exit;", ptx, re.M)) == 1  # the padding unit's early exit
 
@@ -114,8 +110,8 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     take part; refused with one CTA per unit or fp8_tensor's two launches."""
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    src = _render(v)
-    assert src == _render(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
+    src = render_variant(v)
+    assert src == render_with_flags(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
     names = [a["name"] for a in _literal(src, "ARGS")]
     assert names[names.index("work") + 1] == "unit_counter"
     assert _literal(src, "PARAMS")["bwd_dynamic"] is True
@@ -134,12 +130,13 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     assert src.count(".publish_next(mUnitCtr, sUnit)") == 1 and src.count(".receive_next(sUnit)") == 2
     assert src.count("barrier_arrive(barrier_id=UNIT_EMPTY_BAR, number_of_threads=UNIT_THREADS)  # sUnit starts free") == 2
     det = next(x for x in BWD if x.route == "fp8_token" and dict(x.params).get("deterministic"))
-    assert re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2  #", _render(det, bwd_dynamic=True), re.M)  # no writer warp
+    # no writer warp
+    assert re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2  #", render_with_flags(det, bwd_dynamic=True), re.M)
     with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
-        _render(v, bwd_dynamic=True, bwd_persistent=False)
+        render_with_flags(v, bwd_dynamic=True, bwd_persistent=False)
     dst = next(x for x in BWD if x.route == "fp8_tensor")
     with pytest.raises(Exception, match="bwd_dynamic_needs_persistent_ctas_and_one_launch"):
-        _render(dst, bwd_dynamic=True)
+        render_with_flags(dst, bwd_dynamic=True)
 
 
 @pytest.mark.compile
@@ -147,7 +144,7 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
 def test_compile_dynamic_scheduler(compile_sm90, det):
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and bool(dict(x.params).get("deterministic")) is det)
-    ptx = compile_sm90(v, source=_render(v, bwd_dynamic=True, bwd_head_section=2) if det else None)
+    ptx = compile_sm90(v, source=render_with_flags(v, bwd_dynamic=True, bwd_head_section=2) if det else None)
     assert len(re.findall(r"atom\.global\.add\.s32", ptx)) == 1
     bars = re.findall(r"bar(?:rier)?(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(9|10),\s*(\d+)", ptx)
     assert bars and {int(n) for _, _, n in bars} == {288 if det else 320}

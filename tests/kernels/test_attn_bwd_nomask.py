@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
 
 
@@ -30,21 +30,10 @@ def variants():
     return vs
 
 
-def _render_with(v, **over):
-    """Render with template flags overridden; the dQ bulk reduce off unless asked (these tests look at
-    the mask and the per-element red path it predicates)."""
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-
-    over.setdefault("bwd_dq_bulk", False)
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
-def _params(src: str) -> dict:
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "PARAMS":
-            return ast.literal_eval(node.value)
-    raise AssertionError("no PARAMS")
+def _render_no_bulk(v, **over):
+    """render_with_flags with the dQ bulk reduce off unless asked (these tests look at the mask and the
+    per-element red path it predicates)."""
+    return render_with_flags(v, **{"bwd_dq_bulk": False, **over})
 
 
 def _is_det(v) -> bool:
@@ -56,12 +45,12 @@ def test_default_is_on_and_off_renders_the_masked_kernel(variants):
     """The default render is the flag-on kernel; explicit False has no interior path, no PARAMS key."""
     for v in variants:
         src = render_variant(v)
-        assert _render_with(v, bwd_interior_nomask=True, bwd_dq_bulk=True) == src, v.name
-        assert _params(src)["bwd_interior_nomask"] is True
-        off = _render_with(v, bwd_interior_nomask=False)
+        assert _render_no_bulk(v, bwd_interior_nomask=True, bwd_dq_bulk=True) == src, v.name
+        assert rendered_params(src)["bwd_interior_nomask"] is True
+        off = _render_no_bulk(v, bwd_interior_nomask=False)
         assert off != src
         assert "bwd_interior" not in off and "mask: cutlass.Constexpr[bool]" not in off
-        assert "bwd_interior_nomask" not in _params(off)
+        assert "bwd_interior_nomask" not in rendered_params(off)
 
 
 def _fn(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
@@ -96,9 +85,9 @@ def _under_const_mask(fn: ast.FunctionDef, pred) -> list[bool]:
 
 def test_flag_on_render_specialises_one_tile(variants):
     for v in variants:
-        src = _render_with(v, bwd_interior_nomask=True)
-        assert _params(src)["bwd_interior_nomask"] is True
-        assert _params(src)["deterministic_dq"] is _is_det(v)
+        src = _render_no_bulk(v, bwd_interior_nomask=True)
+        assert rendered_params(src)["bwd_interior_nomask"] is True
+        assert rendered_params(src)["deterministic_dq"] is _is_det(v)
         tree = ast.parse(src)
         one_tile = _fn(tree, "AttnBwdSm90", "one_tile")
         last = one_tile.args.args[-1]
@@ -207,7 +196,7 @@ def test_interior_classification_is_exact(variants, route, causal, tiles):
     """Interior ⇔ every (query, key) of the pair is in the document and visible, for every pair a
     unit visits: `⇒` is the safety of the mask-free path, `⇐` its coverage (no mask left behind)."""
     v = next(v for v in variants if v.route == route and v.param("causal") == causal and not _is_det(v))
-    tiling, interior, c = _functions(_render_with(v, bwd_interior_nomask=True), *(tiles or (None, None)))
+    tiling, interior, c = _functions(_render_no_bulk(v, bwd_interior_nomask=True), *(tiles or (None, None)))
     assert c["KEY_ALIGN"] == (16 if route == "fp8_token" else 1) and c["CAUSAL"] == causal
     n_interior = 0
     for start, L in _documents(seed=7 + causal + 2 * (route == "bf16")):
@@ -220,7 +209,7 @@ def test_interior_classification_is_exact(variants, route, causal, tiles):
 def test_classification_check_catches_wrong_rules(variants):
     """The brute-force check above fails on plausible mistakes (it can fail)."""
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal") and not _is_det(v))
-    tiling, interior, c = _functions(_render_with(v, bwd_interior_nomask=True))
+    tiling, interior, c = _functions(_render_no_bulk(v, bwd_interior_nomask=True))
     wrong = {
         # causal bound off by one query tile (the diagonal tile counted as interior)
         "diagonal": lambda n, d, L: (interior(n, d, L)[0] - 1, interior(n, d, L)[1]),
@@ -255,10 +244,10 @@ def test_compile_flag_on_drops_the_mask_selects(variants, compile_sm90, tmp_path
     The NaN-propagating amax (fp8) stays in both copies."""
     v = next(v for v in variants if v.route == route and v.param("causal") == causal and not _is_det(v))
     # the ALU trim off in both: its reduce-scatter adds selects of its own (tests/kernels/test_attn_bwd_dq_amax.py)
-    off = _counts(compile_sm90(v, source=_render_with(v, bwd_interior_nomask=False, bwd_alu_trim=False)))
+    off = _counts(compile_sm90(v, source=_render_no_bulk(v, bwd_interior_nomask=False, bwd_alu_trim=False)))
     for p in (tmp_path / "dump").glob("*.ptx"):  # the fixture's per-test dump folder: next build only
         p.unlink()
-    on = _counts(compile_sm90(v, source=_render_with(v, bwd_interior_nomask=True, bwd_alu_trim=False)))
+    on = _counts(compile_sm90(v, source=_render_no_bulk(v, bwd_interior_nomask=True, bwd_alu_trim=False)))
     assert off["entries"] == on["entries"] == 1
     assert off["ex2"] == 32 and on["ex2"] == 2 * off["ex2"]  # 32 exp2 per thread per tile copy
     assert on["red.v2"] == 2 * off["red.v2"] == 32
@@ -273,7 +262,7 @@ def test_compile_flag_on_drops_the_mask_selects(variants, compile_sm90, tmp_path
 def test_compile_flag_on_deterministic_variant(variants, compile_sm90):
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal") and _is_det(v))
     assert v.name.endswith("_det")
-    ptx = compile_sm90(v, source=_render_with(v, bwd_interior_nomask=True))
+    ptx = compile_sm90(v, source=_render_no_bulk(v, bwd_interior_nomask=True))
     c = _counts(ptx)
     assert c["entries"] == 1 and c["ex2"] == 64 and c["red.v2"] == 32  # both tile copies
     # the ordered-dQ protocol is in both copies

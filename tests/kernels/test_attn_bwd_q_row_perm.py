@@ -17,24 +17,13 @@ import re
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 FP8_TOKEN = [v for v in BWD if v.route == "fp8_token"]
 _HELPERS = ("query_of_col", "col_of_query", "p_pack", "row_word")
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
-def _params(src: str) -> dict:
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARAMS")
-    return ast.literal_eval(node.value)
 
 
 def _module_fns(src: str, names):
@@ -57,18 +46,18 @@ def test_on_by_default_for_the_fp8_token_tile_only():
     for v in BWD:
         src = render_variant(v)
         on = v.route == "fp8_token"
-        assert ("def query_of_col(" in src) is on and bool(_params(src).get("bwd_q_row_perm")) is on
+        assert ("def query_of_col(" in src) is on and bool(rendered_params(src).get("bwd_q_row_perm")) is on
         if on:
-            off = _render(v, bwd_q_row_perm=False)
+            off = render_with_flags(v, bwd_q_row_perm=False)
             assert "shuffle_sync(send_a" not in src and "shuffle_sync(send_a" in off
-            assert "query_of_col" not in off and "bwd_q_row_perm" not in _params(off)
+            assert "query_of_col" not in off and "bwd_q_row_perm" not in rendered_params(off)
         else:
-            assert _render(v, bwd_q_row_perm=True) == src, v.name
+            assert render_with_flags(v, bwd_q_row_perm=True) == src, v.name
 
 
 @pytest.mark.parametrize("v", FP8_TOKEN, ids=lambda v: v.name)
 def test_mapping_matches_fragments_words_masks_and_dq_slots(v):
-    src = _render(v, bwd_q_row_perm=True)
+    src = render_with_flags(v, bwd_q_row_perm=True)
     query_of_col, col_of_query, p_pack, row_word = _module_fns(src, _HELPERS)
     m, n = v.param("tile_m"), v.param("tile_n")
     # a bijection inside every 16-query group, col_of_query its inverse
@@ -114,8 +103,9 @@ def test_mapping_matches_fragments_words_masks_and_dq_slots(v):
     # writers and the dS scale readers index slots by column; dQ row r (natural) reads col_of_query(r), the slot of
     # the column that holds query r
     assert "sAmax[buf * m + col_of_query(" not in src
-    assert "sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]" in _render(v, bwd_q_row_perm=True, bwd_dq_bf16=False)
-    untrimmed = _render(v, bwd_q_row_perm=True, bwd_alu_trim=False, bwd_dq_bf16=False)
+    assert "sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]" in render_with_flags(v, bwd_q_row_perm=True,
+                                                                                   bwd_dq_bf16=False)
+    untrimmed = render_with_flags(v, bwd_q_row_perm=True, bwd_alu_trim=False, bwd_dq_bf16=False)
     assert "e = ds_exponent(bits_f32(sAmax[buf * m + col_of_query(tdQcdQ[2 * rh][0])]))" in untrimmed
     # the Q and dO TMA view: smem row r of a 16-aligned tile receives token offset (2, 4, 2, ·):(1, 4, 2, 16)(r)
     assert "((2, 4, 2, t_pad // 16), row), stride=((row, 4 * row, 2 * row, 16 * row), 1)" in src
@@ -167,6 +157,6 @@ def test_compile_q_row_perm(compile_sm90):
     """Cross-compiles for sm_90a; convert_p's shuffles go (2 per 16-query half and conversion: 16 per tile copy)."""
     v = next(x for x in FP8_TOKEN if x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
-    off = compile_sm90(v, source=_render(v, bwd_q_row_perm=False)).count("shfl.sync")
-    on = compile_sm90(v, source=_render(v)).count("shfl.sync")
+    off = compile_sm90(v, source=render_with_flags(v, bwd_q_row_perm=False)).count("shfl.sync")
+    on = compile_sm90(v, source=render_variant(v)).count("shfl.sync")
     assert on <= off - 32, (off, on)

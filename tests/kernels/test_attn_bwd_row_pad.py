@@ -16,10 +16,9 @@ import ast
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
-from test_attn_bwd_template import _render_with as _render
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
@@ -59,7 +58,8 @@ def test_defaults_swizzle_every_fp8_tile_but_fp8_pvs():
 @pytest.mark.parametrize("v", [next(v for v in ON if v.route == r) for r in ROUTES_ON], ids=lambda v: v.name)
 def test_slots_are_distinct_and_a_quarter_warp_meets_no_bank_twice(v):
     m = v.param("tile_m")
-    for src, padded in ((_render(v, bwd_row_pad=True), True), (_render(v, bwd_row_pad=False, bwd_row_swz=False), False)):
+    for src, padded in ((render_with_flags(v, bwd_row_pad=True), True),
+                        (render_with_flags(v, bwd_row_pad=False, bwd_row_swz=False), False)):
         row_word, ns = _row_word(src)
         rw = ns["ROW_WORDS"]
         row_words = (ns["PAIR_WORDS"] * (m // 2)) if padded else rw * m
@@ -82,7 +82,7 @@ def test_slots_are_distinct_and_a_quarter_warp_meets_no_bank_twice(v):
 @pytest.mark.parametrize("v", [x for x in BWD if x.route not in ROUTES_ON
                                and x.context.get("v_fmt") == "e4m3"][:3], ids=lambda v: v.name)
 def test_flag_renders_on_the_other_fp8_tiles(v):
-    src = _render(v, bwd_row_pad=True)
+    src = render_with_flags(v, bwd_row_pad=True)
     ast.parse(src)
     assert "PAIR_WORDS = 20" in src and '"bwd_row_pad": True' in src
 
@@ -96,15 +96,16 @@ def test_ab_tags():
     tagged = {t: [v for u, v in experiment_variants((t,), base_variants=bwd, experiments=EXPERIMENTS) if u == t]
               for t in ("norowpad", "norowswz", "rowswz")}
     assert len(tagged["norowpad"]) == 4 and {v.route for v in tagged["norowpad"]} == {"fp8_pv"}
-    assert all("PAIR_WORDS" not in _render(v) and "bwd_row_swz" not in _render(v) for v in tagged["norowpad"])
+    assert all("PAIR_WORDS" not in render_variant(v) and "bwd_row_swz" not in render_variant(v)
+               for v in tagged["norowpad"])
     base = lambda v: render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x")))  # noqa: E731
     # each tag turns its flag the other way from the base kernel's default
-    assert len(tagged["rowswz"]) == 4 and all('"bwd_row_swz": True' in _render(v) and '"bwd_row_swz"' not in base(v)
-                                              for v in tagged["rowswz"])
+    assert len(tagged["rowswz"]) == 4
+    assert all('"bwd_row_swz": True' in render_variant(v) and '"bwd_row_swz"' not in base(v) for v in tagged["rowswz"])
     assert len(tagged["norowswz"]) == 12
     assert {v.route for v in tagged["norowswz"]} == {"fp8_token", "fp8_token_bf16qk", "mxfp8"}
     for v in tagged["norowswz"]:
-        src = _render(v)
+        src = render_variant(v)
         assert '"bwd_row_swz": True' in base(v) and "bwd_row_swz" not in src and ("PAIR_WORDS = 20" in src) is (v.route != "mxfp8"), v.name
 
 
@@ -124,7 +125,7 @@ def test_feasibility_model_agrees_with_the_template():
                      {"bwd_dq_bf16": False}):
             if "bwd_dq_bf16" in over and not bwd_dq_bf16(p):
                 continue  # the template refuses the flag there
-            _, ns = _row_word(_render(v, **over))
+            _, ns = _row_word(render_with_flags(v, **over))
             q = dict(p, **over)
             assert bwd_dq_bf16(q) is bool(ns["PARAMS"].get("bwd_dq_bf16")), (v.name, over)
             assert bwd_row_pad(q) is bool(ns["PARAMS"].get("bwd_row_pad")), (v.name, over)
@@ -137,7 +138,7 @@ def test_swizzle_keeps_the_slots_and_meets_no_bank_twice(v):
     """bwd_row_swz (the default but on fp8_pv's tile): the unpadded 16 words a pair, offsets XOR 8 for threads t = 2, 3; every slot distinct,
     the 16-byte groups of two words × two columns still contiguous, no quarter warp meets a bank twice."""
     m = v.param("tile_m")
-    src = _render(v, bwd_row_swz=True)
+    src = render_with_flags(v, bwd_row_swz=True)
     row_word, ns = _row_word(src)
     assert "PAIR_WORDS" not in ns and ns["PARAMS"]["bwd_row_swz"] is True and "bwd_row_pad" not in ns["PARAMS"]
     rw = ns["ROW_WORDS"]

@@ -14,12 +14,12 @@ import torch
 
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.runtime.attention import saves_codes
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from flamia_gen.spec import Arch, load_specs
 
-from test_attn_bwd_template import _fp8_inputs, _render_with as _render
+from test_attn_bwd_template import _fp8_inputs
 from test_attn_fwd_template import _literals
 
 ROUTE = "fp8_token_bf16qk"
@@ -69,7 +69,7 @@ def test_render_differs_from_fp8_token_only_in_the_scores(v):
     # dK still folds 2^eq (the Qᵀ codes' factor); dQ takes the BF16 k of the scores since 2026-12-04 (bwd_dq_bf16):
     # no 2^ek fold of dS, which the FP8 dQ (the nodq16 copy) keeps
     assert "row_word(tScS[4 * cg][1], 3)" in src and "acc_dP[i] * kf[rh]" not in src
-    assert "acc_dP[i] * kf[rh]" in _render(v, bwd_dq_bf16=False)
+    assert "acc_dP[i] * kf[rh]" in render_with_flags(v, bwd_dq_bf16=False)
 
 
 def test_runtime_takes_bf16_q_k_and_fp8_rest():

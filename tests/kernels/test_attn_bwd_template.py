@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, make_work_list, num_units, num_work, run_attn_bwd
 from flamia_gen.spec import load_specs
 
@@ -99,13 +99,6 @@ _SEMAPHORE_CODE = ("dq_sem", "dq_tile_off", "mSem", "mQtOff", "wait_dq_turn", "p
                    "red.release", "nanosleep", "DQ_BARRIER", "Deterministic")
 
 
-def _render_with(v, **over):
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
 def test_non_deterministic_render_has_no_semaphore_code(variants):
     """`deterministic` false or absent renders today's kernel: no semaphore, no new argument."""
     plain = [v for v in variants if not _is_det(v)]
@@ -115,7 +108,7 @@ def test_non_deterministic_render_has_no_semaphore_code(variants):
         assert "deterministic" not in v.context
         assert [tok for tok in _SEMAPHORE_CODE if tok in src] == []
         assert '"deterministic_dq": False,' in src and '"deterministic": True' not in src
-        assert _render_with(v, deterministic=False) == src  # false and undefined render the same bytes
+        assert render_with_flags(v, deterministic=False) == src  # false and undefined render the same bytes
 
 
 def test_deterministic_render_waits_on_the_key_tile_index(variants):
@@ -142,7 +135,7 @@ def test_deterministic_needs_the_persistent_scheduler(variants):
 
     v = next(v for v in variants if _is_det(v))
     with pytest.raises(jinja2.UndefinedError, match="deterministic_dq_needs_a_persistent_scheduler"):
-        _render_with(v, scheduler="static")
+        render_with_flags(v, scheduler="static")
 
 
 # ----------------------------------------------------------------------------- tiling and work list
@@ -333,11 +326,8 @@ def test_compile_deterministic_variant(variants, compile_sm90, route, causal):
 @pytest.mark.parametrize("route", ["fp8_token", "bf16"])
 def test_compile_head_dim_64(variants, compile_sm90, route):
     """D = 64 renders and cross-compiles (shipped: D = 128 only, until verified on the H200)."""
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-
     v = next(v for v in variants if v.route == route and v.param("causal"))
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, head_dim=64))
-    src = HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
+    src = render_with_flags(v, head_dim=64)
     assert '"head_dim": 64' in src
     ptx = compile_sm90(v, source=src)
     assert "wgmma.mma_async" in ptx
@@ -353,7 +343,7 @@ def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
         if _is_det(v):
             assert "bwd_dq_bulk" not in lit["PARAMS"] and "bulk_reduce_add_f32" not in src
             assert "red_add_v2_f32(mdQacc.iterator + off" in src
-            assert _render_with(v, bwd_dq_bulk=True) == src  # the flag cannot turn the ordered path off
+            assert render_with_flags(v, bwd_dq_bulk=True) == src  # the flag cannot turn the ordered path off
         else:
             assert lit["PARAMS"]["bwd_dq_bulk"] is True
             assert "red_add_v2_f32(mdQacc" not in src
@@ -364,8 +354,8 @@ def test_dq_bulk_on_by_default_for_non_deterministic_variants_only(variants):
             warp = bool(lit["PARAMS"].get("bwd_dq_warp"))
             assert warp is (v.route != "fp8_tensor")
             assert (writer in src, consumer in src) == (warp, not warp)
-            assert consumer in _render_with(v, bwd_dq_warp=False)
-            off = _render_with(v, bwd_dq_bulk=False)
+            assert consumer in render_with_flags(v, bwd_dq_warp=False)
+            off = render_with_flags(v, bwd_dq_bulk=False)
             assert "bulk_reduce_add_f32" not in off and "bwd_dq_bulk" not in _literals(off)["PARAMS"]
 
 
@@ -393,7 +383,8 @@ def test_dq_bulk_order_of_wait_store_fence_barrier_issue(variants):
     the async-proxy fence and the barrier, then one thread per row issues and commits; the CTA waits for
     every group before it exits."""
     v = next(v for v in variants if v.route == "fp8_token" and v.param("causal") and not _is_det(v))
-    src = _render_with(v, bwd_dq_warp=False)  # the consumers' own copies (the writer warp: test_attn_bwd_dq_warp.py)
+    # the consumers' own copies (the writer warp: test_attn_bwd_dq_warp.py)
+    src = render_with_flags(v, bwd_dq_warp=False)
     body = src[src.index("    def one_tile("):src.index("    def epilogue(")]
     i_wait = body.index("cute.arch.cp_async_bulk_wait_group(0, read=True)")
     i_gemm = body.index("self.gemm(tiled_mma_dq, acc_dQ")

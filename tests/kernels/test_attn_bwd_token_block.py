@@ -14,10 +14,9 @@ import pytest
 
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import Arch, load_specs
 
-from test_attn_bwd_template import _render_with
 from test_attn_fwd_template import _literals
 
 ROUTE = "mxfp8"
@@ -113,12 +112,12 @@ def test_diag_v_mode_is_the_forwards_diagonal_rule(fwd_tile_m):
 def test_guards():
     v = _pick()
     with pytest.raises(jinja2.UndefinedError, match="diag_v_backward_is_built_for"):
-        _render_with(v, ds_gran="token")
+        render_with_flags(v, ds_gran="token")
     tok = next(t for t in _variants("fp8_token") if t.name == v.name.replace(ROUTE, "fp8_token"))
     with pytest.raises(jinja2.UndefinedError, match="built_for_token_block_routes_with_square_32_ds_only"):
-        _render_with(tok, diag_k=True)
+        render_with_flags(tok, diag_k=True)
     with pytest.raises(jinja2.UndefinedError, match="square_32_ds_needs_bwd_alu_trim"):
-        _render_with(v, bwd_alu_trim=False)
+        render_with_flags(v, bwd_alu_trim=False)
 
 
 @pytest.mark.compile
@@ -192,9 +191,9 @@ def test_exact_render_args_and_rows():
 def test_exact_guards():
     v = _pick_exact()
     with pytest.raises(jinja2.UndefinedError, match="diag_k_needs_diag_v"):
-        _render_with(v, diag_v=False)
+        render_with_flags(v, diag_v=False)
     with pytest.raises(jinja2.UndefinedError, match="diag_k_needs_bwd_interior_nomask"):
-        _render_with(v, bwd_interior_nomask=False)
+        render_with_flags(v, bwd_interior_nomask=False)
 
 
 @pytest.mark.compile
@@ -277,7 +276,7 @@ def test_sq32_windows_by_default_and_only_in_the_masked_tile(route):
                 "kb = Int32(sBlk[SQW_Q0 + tdQcdQ[2 * rh][0]])")
         if p["causal"]:
             assert "vmode = Int32(2)  # the forward read the per-token copies" in src
-        off = _render_with(v, bwd_sq32_windows=False)
+        off = render_with_flags(v, bwd_sq32_windows=False)
         lit = _literals(off)["PARAMS"]
         assert "bwd_sq32_windows" not in lit and not bwd_windows(lit) and "SQW_KEY0" not in off
 
@@ -301,8 +300,8 @@ def test_sq32_window_copy_flag_renders_a_third_one_tile(route):
     compile time (`const_expr(win)`), so the masked copy has none of it. On renders the default bytes; off renders
     two copies."""
     for v in _variants(route):
-        assert _render_with(v, bwd_sq32_win_copy=True) == render_variant(v)
-        off = _render_with(v, bwd_sq32_win_copy=False)
+        assert render_with_flags(v, bwd_sq32_win_copy=True) == render_variant(v)
+        off = render_with_flags(v, bwd_sq32_win_copy=False)
         assert "win: cutlass.Constexpr[bool]" not in off and "bwd_sq32_win_copy" not in _literals(off)["PARAMS"]
         src = _third_copy_src(v)
         assert _literals(src)["PARAMS"]["bwd_sq32_win_copy"] is True
@@ -327,6 +326,6 @@ def test_compile_sq32_window_copy(compile_sm90):
     pair = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*64;"
     full = r"bar(?:rier)?(?:\.cta)?\.sync(?:\.aligned)?\s+[^,;]+,\s*256;"
     three = compile_sm90(v)
-    two = compile_sm90(v, source=_render_with(v, bwd_sq32_win_copy=False))
+    two = compile_sm90(v, source=render_with_flags(v, bwd_sq32_win_copy=False))
     assert (len(re.findall(pair, two)), len(re.findall(pair, three))) == (2, 3)
     assert len(re.findall(full, three)) == len(re.findall(full, two)) + 2

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.runtime.attn_bwd import bwd_schedule, dq_tile_offsets, make_work_list, num_work, run_attn_bwd
 from flamia_gen.spec import load_specs
 
@@ -142,13 +142,6 @@ def test_window_check_can_fail(causal):
     assert len(set(pairs) - _expected(row_doc, T, causal)) > 100
 
 
-def _render_with(v, **over):
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
 def test_kernel_reads_key_ranges_and_stops_at_padding():
     """Rendered kernels: the window flag decoded, no interior tile in a window, the mask from klim,
     and producer and consumers leave the persistent loop at the first padding unit."""
@@ -168,7 +161,7 @@ def test_kernel_reads_key_ranges_and_stops_at_padding():
             # (bwd_alu_trim, on by default: dO's exponent word is its int code, the maxima integer)
             assert "mxr[rh] = cutlass.max(mxr[rh], e)" in src
             assert "pow2i(Int32(8 - 127) + Int32(f32_bits(ed[cp])) - run[2 + rh])" in src
-            off = _render_with(v, bwd_alu_trim=False)
+            off = render_with_flags(v, bwd_alu_trim=False)
             assert "mxr[rh] = fmax2(mxr[rh], e)" in off and "pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])" in off
             # masked tiles per row; interior tiles (one document, both rows equal) share run[2] = run[3]
             assert "self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)" in src

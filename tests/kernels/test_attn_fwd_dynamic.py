@@ -11,16 +11,11 @@ import re
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 FWD = [v for v in PLAN.variants if v.kind.value == "attn_fwd"]
-
-
-def _render(v, **over) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _literal(src: str, name: str):
@@ -41,14 +36,14 @@ def test_dynamic_scheduler_is_the_default_of_every_persistent_forward():
 
     assert FWD
     for v in FWD:
-        src = _render(v)
+        src = render_variant(v)
         assert v.param("scheduler") != "static", v.name
         assert "unit_counter" in src and ".publish_next(" in src, v.name
         assert _literal(src, "PARAMS")["fwd_dynamic"] is True, v.name
     v = _fp8_m192()
-    off = _render(v, fwd_dynamic=False)
+    off = render_with_flags(v, fwd_dynamic=False)
     assert "unit_counter" not in off and "publish_next" not in off and "fwd_dynamic" not in _literal(off, "PARAMS")
-    static = _render(v, scheduler="static")
+    static = render_with_flags(v, scheduler="static")
     assert "unit_counter" not in static and "class StaticScheduler:" in static
     tagged = {t: x for t, x in experiment_variants(("nodyn",), base_variants=[v])}
     assert dict(tagged["nodyn"].params)["fwd_dynamic"] is False
@@ -60,8 +55,8 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     consumer thread receives it (UNIT_FULL, the word, UNIT_EMPTY) after its epilogue and arrives once on UNIT_EMPTY
     before its loop; the barrier count is warp 0 plus the consumer warpgroups; the ids do not collide with the ring's."""
     v = _fp8_m192()
-    src = _render(v)
-    assert src == _render(v, fwd_dynamic=True)
+    src = render_variant(v)
+    assert src == render_with_flags(v, fwd_dynamic=True)
     names = [a["name"] for a in _literal(src, "ARGS")]
     assert names[names.index("work") + 1] == "unit_counter"
     assert _literal(src, "PARAMS")["fwd_dynamic"] is True
@@ -87,7 +82,7 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     assert mma.index("# sUnit starts free") < mma.index("while unit < num_units:") < mma.index("self.epilogue(") \
         < mma.index(".receive_next(sUnit)")
     with pytest.raises(Exception, match="fwd_dynamic_needs_persistent_ctas"):
-        _render(v, fwd_dynamic=True, scheduler="static")
+        render_with_flags(v, fwd_dynamic=True, scheduler="static")
 
 
 @pytest.mark.compile
@@ -107,7 +102,7 @@ def test_run_attn_fwd_gives_the_dynamic_scheduler_a_zeroed_counter_per_call():
     from flamia_gen.runtime.attn_fwd import run_attn_fwd
 
     v = _fp8_m192()
-    src = _render(v)
+    src = render_variant(v)
     lit_args, params = _literal(src, "ARGS"), _literal(src, "PARAMS")
     T, HQ, HKV, D = 40, 4, 2, 128
     g = torch.Generator().manual_seed(0)

@@ -11,17 +11,12 @@ import pytest
 
 from flamia_gen.bench.fwd_experiments import experiment_variants
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
 VARIANTS = [v for v in make_plan(load_specs()).variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
 BF16 = [v for v in VARIANTS if v.route == "bf16"]
 TENSOR = [v for v in VARIANTS if v.route == "fp8_tensor"]
-
-
-def _render_with(v, **extra) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _softmax(src: str) -> str:
@@ -49,12 +44,12 @@ def test_default_exactly_where_it_applies(v):
     src = render_variant(v)
     if v.route in ("bf16", "fp8_tensor") and _on_by_default(v):
         assert '"fwd_fused_exp": True' in src and "ffma(acc_S[i], row_q[rh], m_arg[rh])" in src
-        assert _render_with(v, fwd_fused_exp=True) == src
-        off = _render_with(v, fwd_fused_exp=False)
+        assert render_with_flags(v, fwd_fused_exp=True) == src
+        off = render_with_flags(v, fwd_fused_exp=False)
         assert off != src and "fwd_fused_exp" not in off and "ffma(" not in off
     else:
         assert "fwd_fused_exp" not in src and "ffma(" not in src
-        assert _render_with(v, fwd_fused_exp=False) == src
+        assert render_with_flags(v, fwd_fused_exp=False) == src
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "mxfp8", "fp8_pv", "fp8_token_bf16qk", "nvfp4_mixed", "fp8_tensor"])
@@ -63,12 +58,12 @@ def test_refused_where_keys_carry_offsets(route):
     v = next(v for v in VARIANTS if v.route == route)
     extra = dict(fwd_uniform_kv=False) if route == "fp8_tensor" else {}
     with pytest.raises(Exception, match="fwd_fused_exp_needs_keys_without_per_key_offsets"):
-        _render_with(v, fwd_fused_exp=True, **extra)
+        render_with_flags(v, fwd_fused_exp=True, **extra)
 
 
 @pytest.mark.parametrize("v", BF16 + TENSOR, ids=lambda v: v.name)
 def test_rendered_passes(v):
-    src = _render_with(v, fwd_fused_exp=True)
+    src = render_with_flags(v, fwd_fused_exp=True)
     compile(src, v.name, "exec")
     sm = _softmax(src)
     assert "y = acc_S[i]  # fwd_fused_exp" in sm and "y = acc_S[i] * row_q[rh]" not in sm

@@ -24,7 +24,7 @@ from flamia_gen.numerics import formats as F
 from flamia_gen.numerics import quantize
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_smem_bytes, check_attn, qk_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.runtime.attn_fwd import diag_inputs_needed, fwd_mode, num_work, run_attn_fwd
 from flamia_gen.runtime.nvfp4 import E2M1_VALUES, dequantize_bf16, mixed_qk_inputs
 from flamia_gen.spec import Arch, get_route, load_specs
@@ -130,19 +130,12 @@ def _launcher_order_matches_args(src: str, names: list[str]) -> None:
     assert fakes == names[:names.index("cu_seqlens")]
 
 
-def _render_with(v, **extra) -> str:
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
 def _render_mode_neutral(v) -> str:
     """The render without the E4M3-QKᵀ mode's speed defaults of 2026-12-02 (k_row_perm, ex2_ring): speed choices,
     not numerics, and the comparisons below are about the Q/K side. The mixed mode never permutes K rows; its ex2
     turns are on since 2026-12-03 (nvfp4_mixed, docs/kernels/attn_fwd.md "The ex2 turns for the BF16-QKᵀ mode"), so
     its mode-neutral render is its render without the turns."""
-    return _render_with(v, k_row_perm=False, ex2_ring=False)
+    return render_with_flags(v, k_row_perm=False, ex2_ring=False)
 
 
 def _code_lines(v) -> list[str]:
@@ -244,7 +237,7 @@ def test_mixed_render_differs_from_fp8_only_on_the_qk_side(v):
         add = {x for x in add if not _PARAM_LINE.match(x)}
         assert rem == _FP8_ONLY, (tw.name, sorted(rem ^ _FP8_ONLY))
         assert add == _MIXED_ONLY, (tw.name, sorted(add ^ _MIXED_ONLY))
-        assert _render_with(v, k_row_perm=False) == render_variant(v)  # K rows never permuted in the mixed mode
+        assert render_with_flags(v, k_row_perm=False) == render_variant(v)  # K rows never permuted in the mixed mode
         assert ("EX2_RING_BAR0" in render_variant(v)) is (v.param("compute_warpgroups") >= 2
                                                          and not v.param("intra_wg_overlap"))  # the turns
         mine, theirs = _defs(render_variant(v)), _defs(_render_mode_neutral(tw))

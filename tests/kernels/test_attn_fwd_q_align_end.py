@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import get_route, load_specs
 
 VARIANTS = [v for v in make_plan(load_specs()).variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
 QEND = [v for v in VARIANTS if v.param("causal") and not v.param("diag_k") and not v.param("diag_v")
         and v.param("head_dim") == 128]
-
-
-def _render_with(v, **extra) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _fns(src: str):
@@ -43,8 +38,8 @@ def _order(nblk, n_mask, n_lo):
 
 @pytest.mark.parametrize("v", QEND, ids=lambda v: v.name)
 def test_end_aligned_tiles_cover_mask_and_save_steps(v):
-    key_tiling, q_shift, c = _fns(_render_with(v, fwd_q_align_end=True))
-    base, _, _ = _fns(_render_with(v))
+    key_tiling, q_shift, c = _fns(render_with_flags(v, fwd_q_align_end=True))
+    base, _, _ = _fns(render_variant(v))
     assert q_shift is not None
     tm, tn = c["TILE_M"], c["TILE_N"]
     for s in (0, 1, 6, 15, 16, 1000, 4099):
@@ -81,7 +76,7 @@ def test_end_aligned_tiles_cover_mask_and_save_steps(v):
 def test_emulator_follows_the_end_aligned_tile_order(v):
     from flamia_gen.numerics.reference_route import make_plan as emu_plan, tile_visit_rank
 
-    key_tiling, q_shift, c = _fns(_render_with(v, fwd_q_align_end=True))
+    key_tiling, q_shift, c = _fns(render_with_flags(v, fwd_q_align_end=True))
     tm, tn = c["TILE_M"], c["TILE_N"]
     plan = emu_plan(get_route(v.route), True, tm, tn, 1.0, key_align=c["KEY_ALIGN"], q_align_end=True)
     for s in (0, 6, 16, 1300):
@@ -121,12 +116,12 @@ def test_flag_refuses_what_it_cannot_serve():
     diag = next(v for v in VARIANTS if v.param("causal") and (v.param("diag_k") or v.param("diag_v")))
     for v in (noncausal, diag):
         with pytest.raises(jinja2.exceptions.UndefinedError, match="fwd_q_align_end"):
-            _render_with(v, fwd_q_align_end=True)
+            render_with_flags(v, fwd_q_align_end=True)
     with pytest.raises(ValueError, match="q_align_end"):
         emu_plan(get_route(diag.route), True, 128, 128, 1.0, q_align_end=True)
     # off by default: the default render has no end-aligned tiling
-    assert "def q_shift(" not in _render_with(QEND[0]) and "def q_shift(" in _render_with(QEND[0],
-                                                                                             fwd_q_align_end=True)
+    assert "def q_shift(" not in render_variant(QEND[0])
+    assert "def q_shift(" in render_with_flags(QEND[0], fwd_q_align_end=True)
 
 
 def test_emulator_groups_rows_by_their_shifted_query_tile():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.runtime.attn_fwd import check_fwd_inputs, make_work_list, num_work, run_attn_fwd
 from flamia_gen.spec import load_specs
 
@@ -362,12 +362,6 @@ def test_emulator_visits_key_tiles_in_the_kernel_order(v):
 # fragment of PV (no quad shuffles). Everything that names a key by its S column (the per-key
 # scale words, the masks) must go through the same map. These tests run the rendered helpers on
 # Python ints against the wgmma fragment layouts.
-def _render_with(v, **extra) -> str:
-    from flamia_gen.render.render import HEADER, _environment, templates_dir
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
-
-
 def _module_fns(src: str, names):
     tree = ast.parse(src)
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
@@ -393,13 +387,13 @@ def test_k_row_perm_default_on_for_e4m3_qk_only():
         assert identity is not on
         assert ("shuffle_sync(send_a" in src) is (not on and v.param("v_fmt") == "e4m3")  # FP8 P̂ by shuffles
     for v in _FP8:
-        off = _render_with(v, k_row_perm=False)
+        off = render_with_flags(v, k_row_perm=False)
         assert "K_ROW_PERM = False" in off and "shuffle_sync(send_a" in off
 
 
 @pytest.mark.parametrize("v", _FP8, ids=lambda v: v.name)
 def test_k_row_perm_mapping_matches_fragments_scales_and_mask(v):
-    src = _render_with(v, k_row_perm=True)
+    src = render_with_flags(v, k_row_perm=True)
     ast.parse(src)
     assert "K_ROW_PERM = True" in src and _literals(src)["PARAMS"]["k_row_perm"] is True
     assert "shuffle_sync(send_a" not in src  # P goes to PV without shuffles
@@ -468,7 +462,7 @@ def test_k_rows_for_tma_pads_only_when_needed():
 
 def test_run_attn_fwd_k_row_perm_passes_padded_k():
     v = _FP8[0]
-    lit = _literals(_render_with(v, k_row_perm=True))
+    lit = _literals(render_with_flags(v, k_row_perm=True))
     seen = []
     x = _fp8_inputs()  # T = 40, T_PAD = 48
     run_attn_fwd(lambda *a: seen.extend(a), lit["ARGS"], x["q"], x["k"], x["v"], x["q_scale"], x["k_scale"],
@@ -480,20 +474,21 @@ def test_run_attn_fwd_k_row_perm_passes_padded_k():
 @pytest.mark.compile
 def test_compile_fp8_k_row_perm_variant(compile_sm90):
     v = next(v for v in _FP8 if "_ovl_" in v.name and not v.name.endswith("_noncausal"))
-    compile_sm90(v, source=_render_with(v, k_row_perm=True))
+    compile_sm90(v, source=render_with_flags(v, k_row_perm=True))
 
 
 # ----------------------------------------------------------------------------- performance-experiment flags
 # kv_stages, release_k_early, exp_poly_frac, ovl_pingpong (template flags, all at their defaults;
 # flamia_gen/bench/fwd_experiments.py builds them into one bundle for a GPU session). At their
-# defaults the rendered source must be byte-identical to the verified kernel.
-_EXP_OFF = dict(kv_stages=None, release_k_early=False, exp_poly_frac=0, ovl_pingpong=True)
+# defaults the rendered source must be byte-identical to the verified kernel. kv_stages' default is its absence
+# (none: the variant's `stages`), and render_variant refuses a None value, so it is not set here.
+_EXP_OFF = dict(release_k_early=False, exp_poly_frac=0, ovl_pingpong=True)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
 def test_experiment_flags_off_by_default_render_identical(v):
     src = render_variant(v)
-    assert _render_with(v, **_EXP_OFF) == src
+    assert render_with_flags(v, **_EXP_OFF) == src
     for tok in ("factor_slot", "ex2_poly3", "RELEASE_K_EARLY", "EXP_POLY_QUARTERS", "kv_stages",
                 "ovl_pingpong", "release_k_early", "exp_poly_frac", "pv_defer", "max_tree", "v_prev", "fk_prefetch",
                 "fkp0"):
@@ -538,7 +533,7 @@ def _factor_race(slot_of, stages, n_tiles=64):
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("v", _FP8, ids=lambda v: v.name)
 def test_release_k_early_factor_slots_protocol(v, stages):
-    src = _render_with(v, release_k_early=True, kv_stages=stages)
+    src = render_with_flags(v, release_k_early=True, kv_stages=stages)
     lit = _literals(src)["PARAMS"]
     assert lit["release_k_early"] is True and lit["stages"] == lit["kv_stages"] == stages
     assert f"STAGES = {stages}" in src and "RELEASE_K_EARLY = True" in src
@@ -606,7 +601,7 @@ def test_exp_poly_frac_render_and_accuracy(frac, quarters):
     import numpy as np
 
     v = next(v for v in _FP8 if "_ovl_" not in v.name and v.param("causal"))
-    src = _render_with(v, exp_poly_frac=frac)
+    src = render_with_flags(v, exp_poly_frac=frac)
     assert _literals(src)["PARAMS"]["exp_poly_frac"] == frac
     assert f"EXP_POLY_QUARTERS = {quarters}" in src
     assert "if const_expr(cg % 4 < EXP_POLY_QUARTERS):" in src
@@ -690,7 +685,7 @@ def test_route_exp_approx_poly3_selects_the_polynomial(route):
 
     v = next(v for v in VARIANTS if v.route == route)
     assert "ex2_poly3" not in render_variant(v)
-    src = _render_with(v, exp_approx="poly3")
+    src = render_with_flags(v, exp_approx="poly3")
     assert f"EXP_POLY_QUARTERS = {POLY_QUARTERS['poly3']}" in src and "def ex2_poly3" in src
     assert '"exp_approx": "poly3"' in src
 
@@ -702,7 +697,7 @@ def test_compile_head_dim_64(compile_sm90, route):
     verified and tuned on the H200: adding it to specs/kernels re-tunes the table)."""
     v = next(v for v in VARIANTS if v.route == route and v.param("causal") and "_ovl_" not in v.name
              and v.param("tile_n") == 128)
-    src = _render_with(v, head_dim=64)
+    src = render_with_flags(v, head_dim=64)
     assert "HEAD_DIM = 64" in src and '"head_dim": 64' in src
     ptx = compile_sm90(v, source=src)
     k = "k32.f32.e4m3.e4m3" if route == "fp8_token" else "k16.f32.bf16.bf16"
@@ -748,7 +743,7 @@ def test_ex2_ring_default_and_barrier_ids(v):
     mma = src[src.index("    def mma("):src.index("    def gemm(")]
     assert f"if wg == {wg - 1}:\n            cute.arch.barrier_arrive(barrier_id=EX2_RING_BAR0, number_of_threads=256)" in mma
     assert mma.index("barrier_arrive(barrier_id=EX2_RING_BAR0") < mma.index("while unit < num_units:")
-    assert _render_with(v, ex2_ring=False).count("EX2_RING_BAR0") == 0
+    assert render_with_flags(v, ex2_ring=False).count("EX2_RING_BAR0") == 0
 
 
 def _ring_protocol(src: str):
@@ -816,7 +811,7 @@ def test_ex2_ring_protocol_alternates_and_never_deadlocks(v):
 
 @pytest.mark.parametrize("v", [v for v in _FP8 if "_wg3_" in v.name][:2], ids=lambda v: v.name)
 def test_round12_experiment_flags_render(v):
-    src = _render_with(v, ex2_ring=8)
+    src = render_with_flags(v, ex2_ring=8)
     assert _literals(src)["PARAMS"]["ex2_ring"] == 8
     # ex2_ring = 8: the turn is handed on inside pass 2, after column group 7
     sm = src[src.index("    def softmax("):src.index("    def load_scales(")]
@@ -828,7 +823,7 @@ def test_compile_round12_default_and_experiments(compile_sm90):
     v = next(v for v in _FP8 if "_wg3_" in v.name and not v.name.endswith("_noncausal"))
     ptx = compile_sm90(v)
     assert "bar.arrive" in ptx and "cp.async.bulk.tensor.5d" in ptx  # the ring; K through the rank-5 TMA
-    compile_sm90(v, source=_render_with(v, ex2_ring=8))
+    compile_sm90(v, source=render_with_flags(v, ex2_ring=8))
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "nvfp4_mixed", "fp8_pv"])
@@ -882,7 +877,7 @@ def test_ukv_bare_k_producer_writes_no_factors(v):
     lit = _literals(src)["PARAMS"]
     if not lit.get("fwd_uniform_kv"):
         pytest.skip("not a uniform-factor variant")
-    old = _render_with(v, fwd_ukv_bare_k=False)
+    old = render_with_flags(v, fwd_ukv_bare_k=False)
     assert lit["fwd_ukv_bare_k"] is True and "fwd_ukv_bare_k" not in _literals(old)["PARAMS"]
     load_k = lambda s: s[s.index("def load_k("):s.index("def load_k(") + 4000]  # noqa: E731
     assert "mKs[tok, hkv]" not in load_k(src) and "pipe_k.producer_acquire(kv_state)" in load_k(src)

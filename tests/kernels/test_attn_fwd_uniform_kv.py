@@ -9,16 +9,11 @@ import pytest
 
 from flamia_gen.bench.fwd_experiments import _uniform_kv_applies, experiment_variants
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
 VARIANTS = [v for v in make_plan(load_specs()).variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
 TENSOR = [v for v in VARIANTS if v.route == "fp8_tensor"]
-
-
-def _render_with(v, **extra) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _softmax(src: str) -> str:
@@ -39,8 +34,8 @@ def test_default_exactly_where_it_applies(v):
     src = render_variant(v)
     if v.route == "fp8_tensor":
         assert '"fwd_uniform_kv": True' in src and "kc_u" in src
-        assert _render_with(v, fwd_uniform_kv=True) == src
-        off = _render_with(v, fwd_uniform_kv=False, fwd_fused_exp=False)  # fused exp needs uniform factors
+        assert render_with_flags(v, fwd_uniform_kv=True) == src
+        off = render_with_flags(v, fwd_uniform_kv=False, fwd_fused_exp=False)  # fused exp needs uniform factors
         assert off != src and "fwd_uniform_kv" not in off and "kc_u" not in off
         assert "load_scales" in _softmax(off)
     else:
@@ -51,12 +46,13 @@ def test_default_exactly_where_it_applies(v):
 def test_refused_where_keys_carry_their_own_factors(route):
     v = next(v for v in VARIANTS if v.route == route)
     with pytest.raises(Exception, match="fwd_uniform_kv_needs_e4m3_qk_with_tensor_granularity_k_and_v"):
-        _render_with(v, fwd_uniform_kv=True)
+        render_with_flags(v, fwd_uniform_kv=True)
 
 
 @pytest.mark.parametrize("v", TENSOR, ids=lambda v: v.name)
 def test_softmax_loads_no_per_key_factor(v):
-    src = _render_with(v, fwd_fused_exp=False)  # the two-rounding exp argument (fwd_fused_exp's own test covers it)
+    # the two-rounding exp argument (fwd_fused_exp's own test covers it)
+    src = render_with_flags(v, fwd_fused_exp=False)
     compile(src, v.name, "exec")
     assert '"fwd_uniform_kv": True' in src
     sm = _softmax(src)
@@ -68,7 +64,7 @@ def test_softmax_loads_no_per_key_factor(v):
     # since fwd_ukv_bare_k (default) the producer writes no per-key factor words at all; the formulas are checked
     # against the producer of the kernel before it (the per-key words the per-unit values replace)
     assert "sScale[base + scale_word(" not in src[src.index("    def load_k("):]
-    old = _render_with(v, fwd_fused_exp=False, fwd_ukv_bare_k=False)
+    old = render_with_flags(v, fwd_fused_exp=False, fwd_ukv_bare_k=False)
     prod = old[old.index("    def load_k("):]  # the producer's factor words
     assert "bits_f32(Uint32(kc) << Uint32(23))" in prod and "ck_u = bits_f32(Uint32(kc_u) << Uint32(23))" in src
     assert "sScale[base + scale_word(c, 1)] = Float32(vc - 127)" in prod and "row_q[2] = Float32(vc_u - 127)" in src

@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import HEADER, _environment, render_variant, templates_dir
+from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
 
 VARIANTS = [v for v in make_plan(load_specs()).variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
 NO_OVERLAP = [v for v in VARIANTS if not v.param("intra_wg_overlap")]
 WG3 = [v for v in NO_OVERLAP if v.param("compute_warpgroups") == 3]
-
-
-def _render_with(v, **extra) -> str:
-    body = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **extra))
-    return HEADER.format(template=v.template, name=v.name, spec_hash=v.spec_hash) + body
 
 
 def _key_tiling(src: str):
@@ -72,18 +67,18 @@ def test_default_and_render_identical(v):
     src = render_variant(v)
     if _on_by_default(v):
         assert '"fwd_wg_skip": True' in src and "def dead_tile(" in src
-        assert ("def dead_prefix(" in src) and _render_with(v, fwd_wg_skip=True) == src
-        assert "dead_tile" not in _render_with(v, fwd_wg_skip=False)
+        assert ("def dead_prefix(" in src) and render_with_flags(v, fwd_wg_skip=True) == src
+        assert "dead_tile" not in render_with_flags(v, fwd_wg_skip=False)
     else:
         assert "fwd_wg_skip" not in src and "dead_prefix" not in src and "dead_tile" not in src
         if not v.param("intra_wg_overlap"):
-            assert _render_with(v, fwd_wg_skip=False) == src
+            assert render_with_flags(v, fwd_wg_skip=False) == src
 
 
 def test_refused_with_intra_warpgroup_overlap():
     v = next(v for v in VARIANTS if v.param("intra_wg_overlap"))
     with pytest.raises(Exception, match="fwd_wg_skip_needs_the_kernel_without_intra_warpgroup_overlap"):
-        _render_with(v, fwd_wg_skip=True)
+        render_with_flags(v, fwd_wg_skip=True)
 
 
 def _one_per_tiling():
@@ -103,7 +98,7 @@ def test_dead_tiles_are_exactly_the_invisible_ones_and_come_first(v):
     n_skip tiles of key_tiling's order (causal) and runs the rest: the passed ones are exactly the tiles without a
     visible (row, key) pair, they lead the order (O, m, l still at their start values), and every tile of the unit
     is consumed once (the pipelines' count)."""
-    src = _render_with(v, fwd_wg_skip=True)
+    src = render_with_flags(v, fwd_wg_skip=True)
     ast.parse(src)
     key_tiling, c = _key_tiling(src)
     causal = v.param("causal")
@@ -162,7 +157,7 @@ def test_dead_tiles_are_exactly_the_invisible_ones_and_come_first(v):
 @pytest.mark.parametrize("v", WG3[:2] + [v for v in NO_OVERLAP if v.param("compute_warpgroups") == 2][:1],
                          ids=lambda v: v.name)
 def test_dead_tile_keeps_the_pipelines_and_the_turns(v):
-    src = _render_with(v, fwd_wg_skip=True)
+    src = render_with_flags(v, fwd_wg_skip=True)
     assert '"fwd_wg_skip": True' in src
     body = src[src.index("    def dead_tile("):]
     body = body[:body.index("return kv_state")]
@@ -189,7 +184,7 @@ def test_dead_tile_keeps_the_pipelines_and_the_turns(v):
 @pytest.mark.compile
 def test_compile_wg_skip(compile_sm90):
     v = next(v for v in WG3 if v.route == "fp8_token" and v.param("causal") and v.param("head_dim") == 128)
-    ptx = compile_sm90(v, source=_render_with(v, fwd_wg_skip=True))
+    ptx = compile_sm90(v, source=render_with_flags(v, fwd_wg_skip=True))
     assert "bar.arrive" in ptx
 
 
