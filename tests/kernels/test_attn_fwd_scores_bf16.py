@@ -60,10 +60,9 @@ def test_render_is_the_qk_bf16_mode_with_the_exact_max(v):
     if ("EX2_RING_BAR0" in twin) != ("EX2_RING_BAR0" in src):
         # the ex2 turns (a speed choice, on for nvfp4_mixed and for the BF16-QKᵀ mode at D = 64 since 2026-12-03,
         # off for this route at D = 128): compare the twin rendered with this variant's setting
-        from flamia_gen.render.render import HEADER, _environment, templates_dir
+        from flamia_gen.render.render import render_with_flags
 
-        twin = HEADER.format(template=tv.template, name=tv.name, spec_hash=tv.spec_hash) + _environment(
-            templates_dir()).get_template(tv.template).render(**dict(tv.context, ex2_ring="EX2_RING_BAR0" in src))
+        twin = render_with_flags(tv, ex2_ring="EX2_RING_BAR0" in src)
     assert "ceil_f32(quad_max" in twin
     if not v.param("causal"):  # (causal: nvfp4_mixed's token-block V adds the diagonal per-key copies)
         # the kernel body is nvfp4_mixed's except for the reference and its comments

@@ -167,15 +167,12 @@ def test_window_pass_on_by_default_and_off_renders_the_per_row_limits():
     """fwd_window_pass: on (no per-row limits in the tile loops, a second pass for windows); off renders the
     kernel of 2026-11-29 (per-row limits from row_doc kept across the loops). Both rules are replayed above
     (the off rule through the override below)."""
-    from flamia_gen.render.render import _environment, templates_dir
-
-    def render_with(v, **over):
-        return _environment(templates_dir()).get_template(v.template).render(**dict(v.context, **over))
+    from flamia_gen.render.render import render_with_flags
 
     for d in (64, 128):
         v = next(v for v in _variants() if v.param("head_dim") == d and v.param("q_fmt") == "e4m3"
                  and v.param("tile_m") == 192)
-        on, off = render_variant(v), render_with(v, fwd_window_pass=False)
+        on, off = render_variant(v), render_with_flags(v, fwd_window_pass=False)
         assert '"fwd_window_pass": True' in on and "row_lim" not in on and "lim_len = -doc_len" in on
         assert "if lim_len < 0:" in on and on.count("mRowDoc[rtok, 0]") == 1
         assert '"fwd_window_pass"' not in off and "lim_len" not in off and "row_lim[2 + rh] = doc_len" in off
@@ -184,10 +181,10 @@ def test_window_pass_on_by_default_and_off_renders_the_per_row_limits():
 @pytest.mark.parametrize("causal", [True, False])
 def test_per_row_limit_rule_still_covers_every_row(causal):
     """The off rule (fwd_window_pass=False: row_lim from row_doc in every masked compare) replayed on ints."""
-    from flamia_gen.render.render import _environment, templates_dir
+    from flamia_gen.render.render import render_with_flags
 
     v = next(v for v in _variants() if v.param("causal") == causal and v.param("q_fmt") == "e4m3")
-    off = _environment(templates_dir()).get_template(v.template).render(**dict(v.context, fwd_window_pass=False))
+    off = render_with_flags(v, fwd_window_pass=False)
     assert '"fwd_window_pass"' not in off  # the off rule is the one replayed
     seen, row_doc = _row_visibility(v, _docs(0), src=off)
     assert sorted(seen) == list(range(sum(_docs(0)))) and _wrong_rows(v, seen, row_doc) == []
