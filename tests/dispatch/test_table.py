@@ -271,3 +271,20 @@ def test_shipped_h200_table_is_current_and_answers_lookups():
     # a bucket that was not tuned answers from the nearest tuned one, never from nothing
     d = tb.decide(table, "sm90", "quant", "e4m3_tok_ceil", 128, None, [0, 100])
     assert d.source in ("nearest", "default") and d.variant.startswith("quant_sm90_e4m3_tok_ceil_d128_")
+
+
+def test_shipped_h100_table_is_current_and_covers_fp8_token():
+    """The H100 table (thirtieth session: the D = 64 / 128 groups of fp8_token and the D = 128 groups of bf16 and
+    fp8_tensor, the H200 being unavailable) must match the installed specs; its tuned buckets answer exactly, every
+    other group from the plan's defaults."""
+    p = REPO / "tuning_db" / "sm90-h100-80gb-hbm3.json"
+    table, why = tb.load_table(p, tb.installed_expectation("sm90", "NVIDIA H100 80GB HBM3"))
+    assert why is None, why
+    assert table["_metadata"]["gpu"] == "NVIDIA H100 80GB HBM3" and not table["_metadata"]["untuned"]
+    assert tb.table_path("sm90", "NVIDIA H100 80GB HBM3", root=REPO / "tuning_db") == p
+    assert {e["route"] for e in table["entries"].values() if e["kind"] != "quant"} == {
+        "bf16", "bf16_det", "fp8_tensor", "fp8_tensor_det", "fp8_token", "fp8_token_det"}
+    d = tb.decide(table, "sm90", "attn_bwd", "fp8_token", 128, True, [0, 16384])
+    assert d.source == "exact" and d.variant == "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"
+    d = tb.decide(table, "sm90", "attn_fwd", "mxfp8", 128, True, [0, 16384])  # not tuned on the H100
+    assert d.source == "default" and d.variant == table["defaults"]["attn_fwd/mxfp8/d128/causal"]
