@@ -86,7 +86,7 @@ def render_with_flags(variant: Variant, **flags) -> str:
     return render_variant(replace(variant, params=tuple(sorted({**dict(variant.params), **flags}.items()))))
 
 
-def rendered_params(source: str) -> dict:
+def rendered_params(source: str) -> dict | None:
     """The `PARAMS` literal of a rendered source, read without importing it (None if it has none)."""
     from ..build.bundle import _module_literal  # lazily: flamia_gen.build.bundle imports this package
 
