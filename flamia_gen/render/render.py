@@ -86,11 +86,17 @@ def render_with_flags(variant: Variant, **flags) -> str:
     return render_variant(replace(variant, params=tuple(sorted({**dict(variant.params), **flags}.items()))))
 
 
-def rendered_params(source: str) -> dict | None:
-    """The `PARAMS` literal of a rendered source, read without importing it (None if it has none)."""
+def rendered_literal(source: str, name: str):
+    """A module-level literal (`PARAMS`, `ARGS`, `TILE_M`, …) of a rendered source, read without importing it (None if
+    it has none)."""
     from ..build.bundle import _module_literal  # lazily: flamia_gen.build.bundle imports this package
 
-    return _module_literal(source, "PARAMS")
+    return _module_literal(source, name)
+
+
+def rendered_params(source: str) -> dict | None:
+    """The `PARAMS` literal of a rendered source (None if it has none)."""
+    return rendered_literal(source, "PARAMS")
 
 
 @dataclass

@@ -65,8 +65,6 @@ def test_committed_generated_matches_templates(full_plan):
     assert problems == [], "generated/ is stale; run `flamia-gen render`:\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.skipif(not (REPO / "templates" / "sm90" / "attn_bwd.py.j2").exists(),
-                    reason="attn_bwd template not present")
 def test_render_with_flags_and_rendered_params(full_plan):
     """No flags: render_variant's bytes; a flag the template reads (fp8_token's dO-factor fold, on by default)
     changes the source and its PARAMS; rendered_params reads the PARAMS literal."""

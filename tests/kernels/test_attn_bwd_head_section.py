@@ -6,23 +6,16 @@ bwd_persistent=false. The H200 A/B: `bench.bwd_experiments` tags pers, onecta, h
 
 from __future__ import annotations
 
-import ast
 import re
 
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_literal
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
-
-
-def _literal(src: str, name: str):
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
-    return ast.literal_eval(node.value)
 
 
 def _dynamic_by_default(p: dict) -> bool:
@@ -39,7 +32,7 @@ def test_dynamic_scheduler_and_two_head_sections_by_default_where_the_schedule_a
     seen = {True: 0, False: 0}
     for v in BWD:
         src = render_variant(v)
-        p = _literal(src, "PARAMS")
+        p = rendered_literal(src, "PARAMS")
         dyn = _dynamic_by_default(dict(v.params))
         assert dyn == _dynamic_default(dict(v.params)), v.name
         seen[dyn] += 1
@@ -56,7 +49,7 @@ def test_dynamic_scheduler_and_two_head_sections_by_default_where_the_schedule_a
     with pytest.raises(Exception, match="deterministic_dq_needs_a_persistent_scheduler"):
         render_with_flags(det, bwd_persistent=False)
     # sections keep its order
-    assert _literal(render_with_flags(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2
+    assert rendered_literal(render_with_flags(det, bwd_head_section=2), "PARAMS")["bwd_head_section"] == 2
 
 
 def test_one_cta_per_unit_renders_the_padding_exit_first():
@@ -65,7 +58,7 @@ def test_one_cta_per_unit_renders_the_padding_exit_first():
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
     src = render_with_flags(v, bwd_persistent=False)
-    p = _literal(src, "PARAMS")
+    p = rendered_literal(src, "PARAMS")
     assert p.get("bwd_persistent") is False and p.get("bwd_head_section") == 2 and "bwd_dynamic" not in p
     assert "class StaticScheduler:" in src and "class LongestFirstScheduler:" not in src and "unit_counter" not in src
     body = src[src.index("    def kernel(self"):]
@@ -78,12 +71,13 @@ def test_flag_renders_the_unit_list():
     v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
     off = render_with_flags(v, bwd_dynamic=False, bwd_head_section=0)
-    assert "bwd_head_section" not in _literal(off, "PARAMS") and "bwd_persistent" not in _literal(off, "PARAMS")
-    assert next(a for a in _literal(off, "ARGS") if a["name"] == "work")["shape"] == ["NUM_WORK", "3"]
+    off_params = rendered_literal(off, "PARAMS")
+    assert "bwd_head_section" not in off_params and "bwd_persistent" not in off_params
+    assert next(a for a in rendered_literal(off, "ARGS") if a["name"] == "work")["shape"] == ["NUM_WORK", "3"]
     assert "hkv = mWork[item, 3]" not in off
     on = render_with_flags(v, bwd_head_section=2)
-    assert _literal(on, "PARAMS")["bwd_head_section"] == 2
-    assert next(a for a in _literal(on, "ARGS") if a["name"] == "work")["shape"] == ["NUM_UNITS", "4"]
+    assert rendered_literal(on, "PARAMS")["bwd_head_section"] == 2
+    assert next(a for a in rendered_literal(on, "ARGS") if a["name"] == "work")["shape"] == ["NUM_UNITS", "4"]
     assert "hkv = mWork[item, 3]" in on and "item = unit // HKV" not in on
     # every unit count is the unit list's length (not × HKV): the grid and the loops' bound
     assert len(re.findall(r"num_units = mWork\.shape\[0\]\n", on)) == 2 and "mWork.shape[0] * HKV" not in on
@@ -112,9 +106,9 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
              and not dict(x.params).get("deterministic"))
     src = render_variant(v)
     assert src == render_with_flags(v, bwd_dynamic=True, bwd_persistent=True, bwd_head_section=2)
-    names = [a["name"] for a in _literal(src, "ARGS")]
+    names = [a["name"] for a in rendered_literal(src, "ARGS")]
     assert names[names.index("work") + 1] == "unit_counter"
-    assert _literal(src, "PARAMS")["bwd_dynamic"] is True
+    assert rendered_literal(src, "PARAMS")["bwd_dynamic"] is True
     m = re.search(r"^UNIT_THREADS = 32 \+ 128 \* 2 \+ 32 \* (\d)  #", src, re.M)
     assert m and int(m.group(1)) == 1  # warp 0, two consumer warpgroups, one writer warp (D = 128)
     pub = src[src.index("    def publish_next("):src.index("    def receive_next(")]

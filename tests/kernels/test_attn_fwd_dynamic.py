@@ -5,23 +5,16 @@ the last test here (a zeroed counter per call). The H200 A/B: `bench.fwd_experim
 
 from __future__ import annotations
 
-import ast
 import re
 
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_literal
 from flamia_gen.spec import load_specs
 
 PLAN = make_plan(load_specs(), arch="sm90")
 FWD = [v for v in PLAN.variants if v.kind.value == "attn_fwd"]
-
-
-def _literal(src: str, name: str):
-    tree = ast.parse(src)
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
-    return ast.literal_eval(node.value)
 
 
 def _fp8_m192():
@@ -39,10 +32,11 @@ def test_dynamic_scheduler_is_the_default_of_every_persistent_forward():
         src = render_variant(v)
         assert v.param("scheduler") != "static", v.name
         assert "unit_counter" in src and ".publish_next(" in src, v.name
-        assert _literal(src, "PARAMS")["fwd_dynamic"] is True, v.name
+        assert rendered_literal(src, "PARAMS")["fwd_dynamic"] is True, v.name
     v = _fp8_m192()
     off = render_with_flags(v, fwd_dynamic=False)
-    assert "unit_counter" not in off and "publish_next" not in off and "fwd_dynamic" not in _literal(off, "PARAMS")
+    assert "unit_counter" not in off and "publish_next" not in off
+    assert "fwd_dynamic" not in rendered_literal(off, "PARAMS")
     static = render_with_flags(v, scheduler="static")
     assert "unit_counter" not in static and "class StaticScheduler:" in static
     tagged = {t: x for t, x in experiment_variants(("nodyn",), base_variants=[v])}
@@ -57,9 +51,9 @@ def test_dynamic_scheduler_renders_the_counter_and_the_hand_over():
     v = _fp8_m192()
     src = render_variant(v)
     assert src == render_with_flags(v, fwd_dynamic=True)
-    names = [a["name"] for a in _literal(src, "ARGS")]
+    names = [a["name"] for a in rendered_literal(src, "ARGS")]
     assert names[names.index("work") + 1] == "unit_counter"
-    assert _literal(src, "PARAMS")["fwd_dynamic"] is True
+    assert rendered_literal(src, "PARAMS")["fwd_dynamic"] is True
     assert "mWork: cute.Tensor, mUnitCtr: cute.Tensor, softmax_scale: Float32" in src
     assert "args = (*inputs, cu, row_doc, work, unit_counter, Float32(1.0), o, lse, stream)" in src
     assert re.search(r"^UNIT_THREADS = 32 \+ 128 \* 3  #", src, re.M)
@@ -103,7 +97,7 @@ def test_run_attn_fwd_gives_the_dynamic_scheduler_a_zeroed_counter_per_call():
 
     v = _fp8_m192()
     src = render_variant(v)
-    lit_args, params = _literal(src, "ARGS"), _literal(src, "PARAMS")
+    lit_args, params = rendered_literal(src, "ARGS"), rendered_literal(src, "PARAMS")
     T, HQ, HKV, D = 40, 4, 2, 128
     g = torch.Generator().manual_seed(0)
     x = dict(q=torch.randint(0, 0x70, (T, HQ, D), dtype=torch.uint8, generator=g),

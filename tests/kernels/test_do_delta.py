@@ -7,14 +7,13 @@ bit with delta_bf16 on every quantizer input kind (docs/perf-notes.md, round 7).
 
 from __future__ import annotations
 
-import ast
 
 import pytest
 import torch
 
 from flamia_gen.numerics.delta import delta_bf16
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, rendered_literal
 from flamia_gen.spec import load_specs
 
 
@@ -24,23 +23,16 @@ def variants():
     return [v for v in plan.variants if v.kind.value == "quant" and v.param("fmt") == "bf16"]
 
 
-def _literal(src: str, name: str):
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name:
-            return ast.literal_eval(node.value)
-    raise AssertionError(name)
-
-
 def test_one_do_launch_per_point_and_nothing_else(variants):
     assert sorted(v.name for v in variants) == sorted(
         f"quant_sm90_bf16_delta_d{d}_t{t}_h1" for d in (64, 128) for t in (32, 64, 128))
     for v in variants:
         src = render_variant(v)
         assert render_variant(v) == src
-        args = _literal(src, "ARGS")
+        args = rendered_literal(src, "ARGS")
         assert [a["name"] for a in args] == ["x", "cu_seqlens", "o", "delta", "dq_accum"]
         assert [a["role"] for a in args] == ["in", "in", "in", "out", "out"]
-        p = _literal(src, "PARAMS")
+        p = rendered_literal(src, "PARAMS")
         assert p["fmt"] == "bf16" and p["with_delta"] is True and p["head_dim"] == v.param("head_dim")
         # the 8-bit quantizer body is not in it: no codes, no scales, no converts
         assert "codes" not in src and "cvt.rn.satfinite" not in src and "class DoDeltaSm90" in src
