@@ -52,6 +52,9 @@ _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # no
 # the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64, not deterministic
 _dq_first_default = lambda p: _dq16_per_token(p) and p.get("head_dim") == 64 and not p.get("deterministic")  # noqa: E731
 
+# the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
+_ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731
+
 # tag → (render-context / params overrides, which default variants it applies to, note)
 EXPERIMENTS: dict[str, dict] = {
     # bwd_alu_trim (templates/sm90/attn_bwd.py.j2; on since 2026-12-01 with cg 2): the untrimmed kernel and
@@ -98,6 +101,15 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_dof_fold (twenty-seventh session; default since round 30): the tiles with dO's factor in the softmax pass
     "nodoffold": dict(over={"bwd_dof_fold": False}, when=_dq16_per_token,
                       note="ds·2^−edo not folded: dO's factor multiplied in the softmax pass (the kernel before round 30)"),
+    # bwd_ds_stsm (thirty-first session; experiment): where sdS holds 16-bit dS (the bf16 route, fp8_pv's BF16 dS, the
+    # dQ-on-BF16 tiles), dS goes to shared memory by 4 stmatrix.trans a thread instead of 32 two-byte stores
+    "stsm": dict(over={"bwd_ds_stsm": True}, when=_ds_wide,
+                 note="dS to sdS by stmatrix.trans (4 STSM a thread a tile instead of 32 STS.U16)"),
+    # ... and with bwd_dq_first where it is off (D = 128): stmatrix frees registers (fp8_token's stack 88 → 56 B), which
+    # may be what dK issued after dQ lacked there (H200 round 30: 1.00–1.03×)
+    "stsmdqf": dict(over={"bwd_ds_stsm": True, "bwd_dq_first": True},
+                    when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p),
+                    note="stmatrix dS store and dK issued after dQ (bwd_dq_first)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},
