@@ -49,8 +49,12 @@ _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p
 # the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
 _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
 
-# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64, not deterministic
-_dq_first_default = lambda p: _dq16_per_token(p) and p.get("head_dim") == 64 and not p.get("deterministic")  # noqa: E731
+# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128 deterministic
+_dq_first_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
+    (p.get("head_dim") == 64) is not bool(p.get("deterministic")))
+
+# the template's BWD_DS_STSM_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 and their deterministic copies
+_ds_stsm_default = lambda p: _dq16_per_token(p) and (p.get("head_dim") == 64 or bool(p.get("deterministic")))  # noqa: E731
 
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
 _ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731
@@ -92,7 +96,8 @@ EXPERIMENTS: dict[str, dict] = {
                     when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p),
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
     "nodqfirst": dict(over={"bwd_dq_first": False}, when=_dq_first_default,
-                      note="dK issued before the dS barrier, dQ waited with it (the D = 64 kernel before round 30)"),
+                      note="dK issued before the dS barrier, dQ waited with it (the kernel before round 30 at D = 64, "
+                           "before round 32 on the `_det` D = 128 copies)"),
     # bwd_dq_bf16 on mxfp8's 32×32-block dS tile (twenty-seventh session, experiment; H200 round 30: D = 128 0.90–0.94×,
     # D = 64 0.83–0.88× the unswizzled default, but D = 128 slower than the swizzle alone): dQ on BF16 dS and K̂ instead of
     # the 32-query-block E4M3 dS (no column amaxes, their barrier, block or window maxima; the Kᵀ tile goes)
@@ -101,15 +106,18 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_dof_fold (twenty-seventh session; default since round 30): the tiles with dO's factor in the softmax pass
     "nodoffold": dict(over={"bwd_dof_fold": False}, when=_dq16_per_token,
                       note="ds·2^−edo not folded: dO's factor multiplied in the softmax pass (the kernel before round 30)"),
-    # bwd_ds_stsm (thirty-first session; experiment): where sdS holds 16-bit dS (the bf16 route, fp8_pv's BF16 dS, the
-    # dQ-on-BF16 tiles), dS goes to shared memory by 4 stmatrix.trans a thread instead of 32 two-byte stores
-    "stsm": dict(over={"bwd_ds_stsm": True}, when=_ds_wide,
+    # bwd_ds_stsm (thirty-first session; H100 round 32: the default of the per-token dQ-on-BF16 tiles at D = 64 and of
+    # their `_det` copies): where sdS holds 16-bit dS (the bf16 route, fp8_pv's BF16 dS, the dQ-on-BF16 tiles), dS goes
+    # to shared memory by 4 stmatrix.trans a thread instead of 32 two-byte stores; where it is off...
+    "stsm": dict(over={"bwd_ds_stsm": True}, when=lambda p: _ds_wide(p) and not _ds_stsm_default(p),
                  note="dS to sdS by stmatrix.trans (4 STSM a thread a tile instead of 32 STS.U16)"),
-    # ... and with bwd_dq_first where it is off (D = 128): stmatrix frees registers (fp8_token's stack 88 → 56 B), which
-    # may be what dK issued after dQ lacked there (H200 round 30: 1.00–1.03×)
+    # ... with bwd_dq_first where both are off (D = 128, not deterministic: fp8_token 0.98–1.00 in round 32) ...
     "stsmdqf": dict(over={"bwd_ds_stsm": True, "bwd_dq_first": True},
-                    when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p),
+                    when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p) and not _ds_stsm_default(p),
                     note="stmatrix dS store and dK issued after dQ (bwd_dq_first)"),
+    # ... and the kernels before it where it is on
+    "nostsm": dict(over={"bwd_ds_stsm": False}, when=_ds_stsm_default,
+                   note="dS to sdS by 32 two-byte stores a thread (the kernel before round 32)"),
     # bwd_dq_writers (2026-12-02, twelfth session; default 2 at D = 64 since the thirteenth, else 1): the other count, as an
     # A/B copy against the default
     "dqw2": dict(over={"bwd_dq_writers": 2},
