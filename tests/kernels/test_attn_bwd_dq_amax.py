@@ -20,7 +20,7 @@ import torch
 
 from flamia_gen.numerics.quantize import pow2_exponent
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import ExponentRule, Format, load_specs
 
 
@@ -200,16 +200,20 @@ def test_bwd_experiments_variants_names_and_support():
     assert {v.route for v in bwd} == {"fp8_token", "bf16"} and len(bwd) == 8
     tagged = experiment_variants(bx.DEFAULT_EXPERIMENTS, base_variants=bwd, experiments=bx.EXPERIMENTS)
     names = [v.name for _, v in tagged]
-    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw2, pers, onecta, hs0, hs1, dhs1),
+    # 4 fp8 backward variants × 4 trims, 4 non-deterministic variants × (nodqwarp, dqw1, pers, onecta, hs0, hs1, dhs1),
     # 4 deterministic × dyndet, 4 fp8 × (noqperm, nodq16, norowswz, nokt, dqfirst, nodoffold), 2 × s3 (the
     # deterministic ones: a third Q stage no longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12
-    # (dqw1 copies only the D = 64 tiles, whose default has two writers; norowpad and rowswz only fp8_pv's tile, dq16sq
-    # only mxfp8's)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2
+    # (dqw2 copies none of them: since round 32 bf16's and fp8_token's D = 128 tiles have two writers, as every D = 64
+    # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
+    # round 32's dS by stmatrix: stsm on bf16's 4 and fp8_token's 2 non-deterministic tiles, stsmdqf on those 2, nostsm
+    # on fp8_token's 2 deterministic ones (dqfirst and nodqfirst now 2 + 2 of the 4 × 6)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
-        if tag == "dqw2":
-            assert "deterministic" not in dict(v.params) and '"bwd_dq_writers": 2' in _render_fp8_dq(v)
+        if tag == "dqw1":
+            assert "deterministic" not in dict(v.params) and '"bwd_dq_writers"' not in _render_fp8_dq(v)
+            b = next(x for x in bwd if x.name == bx.split_name(v.name, bx.EXPERIMENTS)[0])
+            assert '"bwd_dq_writers": 2' in render_variant(b)
         elif tag in ("dhs1", "dyndet"):
             src = _render_fp8_dq(v)
             assert bool(dict(v.params).get("deterministic")) is (tag == "dyndet")
@@ -240,6 +244,15 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag == "nodq16":
             assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
             assert '"bwd_dq_bf16"' not in _render_fp8_dq(v)
+        elif tag in ("stsm", "stsmdqf", "nostsm", "nodqfirst"):
+            p = rendered_params(render_variant(v))
+            assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
+            assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))  # on by default for `_det`
+            if v.route == "bf16":  # every bf16 tile (stmatrix off there)
+                assert tag == "stsm"
+            else:  # fp8_token's: off (and dK before dQ) at D = 128 unless deterministic
+                assert v.route == "fp8_token"
+                assert bool(dict(v.params).get("deterministic")) is (tag in ("nostsm", "nodqfirst"))
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render_fp8_dq(v)

@@ -269,15 +269,16 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
             pv, pb = rendered_params(sv), rendered_params(sb)
             assert pv.get("bwd_head_section") != pb.get("bwd_head_section"), (tag, b.name)
         seen.add(tag)
-    assert {"nodqwarp", "noqperm", "r12", "dqw1", "dqw2", "s3", "pers", "hs0", "hs1"} <= seen
+    assert {"nodqwarp", "noqperm", "r12", "dqw1", "s3", "pers", "hs0", "hs1", "stsm", "nostsm", "stsmdqf"} <= seen
 
 
 def test_two_writer_warps_where_one_was_the_limit():
-    """bwd_dq_writers: 2 at D = 64 with the writer warp (every route that has it), else 1 (no key rendered); a count
-    other than 1 or 2 refuses to render."""
+    """bwd_dq_writers: 2 with the writer warp at D = 64 (every route that has it) and, since round 32, at D = 128 on the
+    bf16 tile and fp8_token's; else 1 (no key rendered); a count other than 1 or 2 refuses to render."""
+    two_at_128 = ("bf16", "fp8_token")
     for v in BWD:
         p = rendered_params(render_variant(v))
-        want = 2 if (p.get("bwd_dq_warp") and p["head_dim"] == 64) else None
+        want = 2 if (p.get("bwd_dq_warp") and (p["head_dim"] == 64 or v.route in two_at_128)) else None
         assert p.get("bwd_dq_writers") == want, v.name
     v = next(x for x in BWD if x.route == "fp8_token" and not dict(x.params).get("deterministic"))
     with pytest.raises(Exception, match="bwd_dq_writers_must_be_1_or_2"):
