@@ -94,6 +94,21 @@ def rendered_literal(source: str, name: str):
     return _module_literal(source, name)
 
 
+def rendered_literals(source: str, names) -> dict:
+    """Several module-level literals of a rendered source in one parse: {name: value} for those of `names` it assigns
+    (the first assignment of each, as `rendered_literal` reads it)."""
+    import ast
+
+    want, out = set(names), {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                name = getattr(t, "id", None)
+                if name in want and name not in out:
+                    out[name] = ast.literal_eval(node.value)
+    return out
+
+
 def rendered_params(source: str) -> dict | None:
     """The `PARAMS` literal of a rendered source (None if it has none)."""
     return rendered_literal(source, "PARAMS")

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render import check_generated, render_all, render_variant, render_with_flags, rendered_params
+from flamia_gen.render import (check_generated, render_all, render_variant, render_with_flags, rendered_literal,
+                               rendered_literals, rendered_params)
 from flamia_gen.spec import load_specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +79,17 @@ def test_render_with_flags_and_rendered_params(full_plan):
     assert off != src and "bwd_dof_fold" not in rendered_params(off)
     assert render_with_flags(v, bwd_dof_fold=True) == src and "bwd_dof_fold" not in dict(v.params)
     assert rendered_params("X = 1\n") is None
+
+
+def test_rendered_literals_reads_several_names_in_one_parse(full_plan):
+    """The names a source assigns, each as rendered_literal reads it (the first assignment); absent names are left out."""
+    v = next(x for x in full_plan.variants if x.kind.value == "attn_bwd" and x.arch.value == "sm90")
+    src = render_variant(v)
+    names = ("NAME", "PARAMS", "ARGS", "TILE_M", "NOT_THERE")
+    got = rendered_literals(src, names)
+    assert set(got) == {"NAME", "PARAMS", "ARGS", "TILE_M"} and got["NAME"] == v.name
+    assert all(got[n] == rendered_literal(src, n) for n in got) and got["TILE_M"] == v.param("tile_m")
+    assert rendered_literals("A = 1\nA = 2\nB, C = 3, 4\nD = E = [5]\n", "ABCDE") == {"A": 1, "D": [5], "E": [5]}
 
 
 def test_edited_template_is_picked_up(plan, monkeypatch, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from flamia_gen.numerics.formats import Format
 from flamia_gen.numerics.quantize import pow2_exponent
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, rendered_literals
 from flamia_gen.runtime.attn_bwd import (check_bwd_inputs, is_do_e5m2_spec, is_ds_tensor_spec, num_work,
                                          run_attn_bwd)
 from flamia_gen.spec import ExponentRule, load_specs
@@ -28,12 +28,7 @@ def variants():
 
 
 def _literals(src: str) -> dict:
-    out = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("PARAMS", "ARGS"):
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-    return out
+    return rendered_literals(src, ("PARAMS", "ARGS"))
 
 
 def _tensor_variant(variants, causal=True, det=False):

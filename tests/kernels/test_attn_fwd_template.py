@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_literals
 from flamia_gen.runtime.attn_fwd import check_fwd_inputs, make_work_list, num_work, run_attn_fwd
 from flamia_gen.spec import load_specs
 
@@ -32,12 +32,7 @@ VARIANTS = _attn_variants()
 
 
 def _literals(src: str) -> dict:
-    out = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("NAME", "ARCH", "PARAMS", "ARGS"):
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-    return out
+    return rendered_literals(src, ("NAME", "ARCH", "PARAMS", "ARGS"))
 
 
 # ----------------------------------------------------------------------------- render

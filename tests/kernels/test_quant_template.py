@@ -7,7 +7,6 @@ check the PTX for the converts and divisions the contract fixes.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ import jinja2
 import pytest
 import torch
 
+from flamia_gen.render.render import rendered_literals
 from flamia_gen.runtime.quant import allocate_outputs, check_quant_inputs, shape_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,13 +56,7 @@ def render(ctx: dict) -> str:
 
 
 def _module_literals(src: str) -> dict:
-    """NAME, ARCH, PARAMS, ARGS of a rendered module, read without importing cutlass."""
-    out = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("NAME", "ARCH", "PARAMS", "ARGS"):
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-    return out
+    return rendered_literals(src, ("NAME", "ARCH", "PARAMS", "ARGS"))
 
 
 def _representative():

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant
+from flamia_gen.render.render import render_variant, rendered_literals
 from flamia_gen.runtime.attn_bwd import (bwd_schedule, dq_tile_offsets, is_deterministic_spec, make_work_list,
                                          num_dq_tiles, run_attn_bwd)
 from flamia_gen.spec import load_specs
@@ -36,12 +36,7 @@ def bwd_variants():
 
 
 def _literals(src: str) -> dict:
-    out = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("PARAMS", "ARGS", "TILE_M", "TILE_N", "KEY_ALIGN"):
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-    return out
+    return rendered_literals(src, ("PARAMS", "ARGS", "TILE_M", "TILE_N", "KEY_ALIGN"))
 
 
 def _is_det(v) -> bool:
