@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags, rendered_literals
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_literal, rendered_literals
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, make_work_list, num_units, num_work, run_attn_bwd
 from flamia_gen.spec import load_specs
 
@@ -289,9 +289,10 @@ def test_compile_fp8_token_variant(variants, compile_sm90):
     assert "atom.shared.max.u32" not in ptx
     # dQ reduce-add: one vector red per column pair (profile 2026-11-29: the scalar atomics' stalls
     # were ~20 % of the backward's warp samples); since then (bwd_dq_bulk, default on) the partial goes
-    # through shared memory and one bulk reduce-add per row: one per tile copy (bwd_interior_nomask:
-    # masked and interior tiles), no per-element reduce or atomic left
-    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    # through shared memory and one bulk reduce-add per row, issued by the writer warps: their row loop
+    # unrolled, tile_m / (32 · writers) copies in the PTX — 1 with the two writers of D = 128 since round 32;
+    # no per-element reduce or atomic left
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
     assert "red.global.add" not in ptx and "atom.global.add.f32" not in ptx
     assert "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
 
@@ -397,6 +398,9 @@ def test_dq_bulk_order_of_wait_store_fence_barrier_issue(variants):
 def test_compile_dq_bulk_bf16(variants, compile_sm90):
     v = next(v for v in variants if v.route == "bf16" and v.param("causal") and not _is_det(v))
     ptx = compile_sm90(v)
-    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    # the writer warps' unrolled row loop: tile_m / (32 · writers) copies (two writers at D = 128 since round 32)
+    writers = rendered_literal(render_variant(v), "DQ_WRITERS")
+    assert writers == 2 and ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == \
+        v.param("tile_m") // (32 * writers)
     assert re.search(r"cp.async.bulk.wait_group.read\s+0;", ptx) and "cp.async.bulk.commit_group" in ptx
     assert "red.global.add" not in ptx
