@@ -127,6 +127,10 @@ EXPERIMENTS: dict[str, dict] = {
                  note="two dQ writer warps (rows split between warps 1 and 2 of the producer warpgroup)"),
     "dqw1": dict(over={"bwd_dq_writers": 1}, when=lambda p: _dq_writer(p) and _two_writers(p),
                  note="one dQ writer warp (the kernel before 2026-12-02's second writer)"),
+    # bwd_dq_tile_copy (thirty-first session; experiment, built, not run): head-major dq_accum, a swizzled unpadded staging
+    # tile and one bulk reduce-add per writer warp and query tile instead of one per row
+    "dqtile": dict(over={"bwd_dq_tile_copy": True}, when=_dq_writer,
+                   note="one bulk reduce-add per writer warp and tile (head-major dq_accum, swizzled staging tile)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the
     # consumers' wait for the next tile's Sᵀ, dPᵀ operands); the FP8 tiles (their stage is 32 KB)
     "s3": dict(over={"stages": 3}, when=lambda p: p.get("v_fmt") == "e4m3" and p.get("stages") == 2,

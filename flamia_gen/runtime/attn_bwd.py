@@ -601,7 +601,28 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         by_name["amax_pass"] = 0
         fn(*[by_name[a["name"]] for a in args_spec])
     # the dQ "convert kernel": the partials already carry softmax_scale and the dS scales
+    if params.get("bwd_dq_tile_copy"):
+        dq32 = dq_accum_natural(dq_accum)  # head-major, chunk-swizzled accumulator → (T, HQ, D)
+        return dq32.to(torch.bfloat16), dk, dv, dq32
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
+
+
+def dq_accum_natural(acc):
+    """The dQ accumulator of a `bwd_dq_tile_copy` kernel in natural order. The kernel reads the (T, HQ, D) fp32 storage
+    as head-major (HQ, T, D) rows and writes the 16-byte chunk k of token t's row at chunk k XOR (t & 7) (the swizzle
+    of its staging tile, which one bulk copy per query tile carries over). → a new fp32 (T, HQ, D) tensor with
+    element (t, h, c) = storage[h, t, chunk (c // 4) XOR (t & 7), c % 4]. D must be a multiple of 32 (whole groups
+    of 8 chunks)."""
+    T, H, D = acc.shape
+    if D % 32:
+        raise ValueError(f"dq_accum: head dim {D} is not a multiple of 32 (the chunk swizzle works on 8 chunks of 4)")
+    src = acc.reshape(-1).view(H, T, D // 32, 8, 4)
+    out = torch.empty((T, H, D), dtype=acc.dtype, device=acc.device)
+    dst = out.view(T, H, D // 32, 8, 4)
+    for s in range(8):  # tokens t ≡ s (mod 8): chunk k of the natural row is chunk k ^ s of the stored one
+        perm = torch.tensor([k ^ s for k in range(8)], device=acc.device)
+        dst[s::8] = src[:, s::8].index_select(3, perm).transpose(0, 1)
+    return out
 
 
 __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",

@@ -207,7 +207,8 @@ def test_bwd_experiments_variants_names_and_support():
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
     # round 32's dS by stmatrix: stsm on bf16's 4 and fp8_token's 2 non-deterministic tiles, stsmdqf on those 2, nostsm
     # on fp8_token's 2 deterministic ones (dqfirst and nodqfirst now 2 + 2 of the 4 × 6)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2
+    # (and dqtile on the 4 with a writer warp)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -244,6 +245,8 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag == "nodq16":
             assert v.route == "fp8_token" and dict(v.params)["bwd_dq_bf16"] is False
             assert '"bwd_dq_bf16"' not in _render_fp8_dq(v)
+        elif tag == "dqtile":
+            assert "deterministic" not in dict(v.params) and '"bwd_dq_tile_copy": True' in render_variant(v)
         elif tag in ("stsm", "stsmdqf", "nostsm", "nodqfirst"):
             p = rendered_params(render_variant(v))
             assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
