@@ -477,7 +477,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                  k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None,
                  qk_tensor_scale: torch.Tensor | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
-    dq_accum fp32 (T, HQ, D)).
+    dq_accum fp32 (T, HQ, D): the kernel's accumulator storage — head-major and chunk-swizzled for a
+    `bwd_dq_tile_copy` kernel, whose natural fp32 dQ is `dq_accum_natural(dq_accum)`).
 
     `fn`: the tvm-ffi function; `args_spec`: the module's ARGS; `params`: its PARAMS. `lse`: the
     forward's (HQ, T) natural-log LSE; `delta`: (HQ, T) from the dO quantizer launch (fp8) or
@@ -602,22 +603,22 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         fn(*[by_name[a["name"]] for a in args_spec])
     # the dQ "convert kernel": the partials already carry softmax_scale and the dS scales
     if params.get("bwd_dq_tile_copy"):
-        dq32 = dq_accum_natural(dq_accum)  # head-major, chunk-swizzled accumulator → (T, HQ, D)
-        return dq32.to(torch.bfloat16), dk, dv, dq32
+        # head-major, chunk-swizzled accumulator → dQ in one pass (the 4th output stays the kernel's own storage)
+        return dq_accum_natural(dq_accum, torch.bfloat16), dk, dv, dq_accum
     return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
 
 
-def dq_accum_natural(acc):
+def dq_accum_natural(acc, dtype=None):
     """The dQ accumulator of a `bwd_dq_tile_copy` kernel in natural order. The kernel reads the (T, HQ, D) fp32 storage
     as head-major (HQ, T, D) rows and writes the 16-byte chunk k of token t's row at chunk k XOR (t & 7) (the swizzle
-    of its staging tile, which one bulk copy per query tile carries over). → a new fp32 (T, HQ, D) tensor with
-    element (t, h, c) = storage[h, t, chunk (c // 4) XOR (t & 7), c % 4]. D must be a multiple of 32 (whole groups
-    of 8 chunks)."""
+    of its staging tile, which one bulk copy per query tile carries over). → a new (T, HQ, D) tensor of `dtype` (default
+    the storage's) with element (t, h, c) = storage[h, t, chunk (c // 4) XOR (t & 7), c % 4]. D must be a multiple of
+    32 (whole groups of 8 chunks)."""
     T, H, D = acc.shape
     if D % 32:
         raise ValueError(f"dq_accum: head dim {D} is not a multiple of 32 (the chunk swizzle works on 8 chunks of 4)")
     src = acc.reshape(-1).view(H, T, D // 32, 8, 4)
-    out = torch.empty((T, H, D), dtype=acc.dtype, device=acc.device)
+    out = torch.empty((T, H, D), dtype=dtype or acc.dtype, device=acc.device)
     dst = out.view(T, H, D // 32, 8, 4)
     for s in range(8):  # tokens t ≡ s (mod 8): chunk k of the natural row is chunk k ^ s of the stored one
         perm = torch.tensor([k ^ s for k in range(8)], device=acc.device)

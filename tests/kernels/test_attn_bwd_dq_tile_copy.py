@@ -99,6 +99,7 @@ def test_the_kernels_placement_and_the_conversion_invert_each_other(T, H, D, tok
         for t in range(max(tok0, 0), min(tok0 + 64, T)):
             want[t] += nat[t]
     assert torch.equal(dq_accum_natural(store.view(T, H, D)), want)
+    assert torch.equal(dq_accum_natural(store.view(T, H, D), torch.bfloat16), want.to(torch.bfloat16))
 
 
 def test_conversion_refuses_a_head_dim_off_the_chunk_groups():
