@@ -12,7 +12,6 @@ its sha256 matches the manifest.
 
 from __future__ import annotations
 
-import ast
 import json
 import lzma
 import os
@@ -22,23 +21,13 @@ from pathlib import Path
 
 from .. import __version__
 from ..plan import Variant
-from ..render import source_sha256
+from ..render import rendered_literal, source_sha256
 from .builder import BuildResult
 from .cache import BuildCache, atomic_write, sha256_file
 from .toolchain import dsl_runtime_lib, dsl_version, tvm_ffi_version
 
 BUNDLE_FORMAT = 1
 RUNTIME_NAME = "libcute_dsl_runtime.so"
-
-
-def _module_literal(source: str, name: str):
-    """Read a literal assignment (`ARGS = [...]`) from a generated source without
-    importing it (importing needs the DSL)."""
-    tree = ast.parse(source)
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    return None
 
 
 def packed_runtime(cache: BuildCache) -> tuple[Path, str]:
@@ -68,7 +57,7 @@ def kernel_params(v: Variant, source: str) -> dict:
     """A manifest entry's params: the plan's, plus what the compiled module's PARAMS add — the template's defaults
     (flags such as k_row_perm, bwd_q_row_perm, bwd_head_section) that the runtime reads to call the kernel as it was
     built. The plan's values win; the two never disagree on a key both have (tests/build/test_build_bundle.py)."""
-    rendered = _module_literal(source, "PARAMS")
+    rendered = rendered_literal(source, "PARAMS")
     return {**{k: x for k, x in rendered.items() if k not in _IDENTITY_PARAMS}, **dict(v.params)}
 
 
@@ -99,7 +88,7 @@ def write_bundle(out_dir: Path, arch: str, variants: list[Variant], results: lis
             "source_sha256": source_sha256(r.source),  # what was compiled
             "uses": list(v.uses),
             "params": kernel_params(v, r.source),
-            "args": _module_literal(r.source, "ARGS"),
+            "args": rendered_literal(r.source, "ARGS"),
         })
     rt_xz, rt_sha256 = packed_runtime(cache)
     shutil.copyfile(rt_xz, out_dir / "lib" / f"{RUNTIME_NAME}.xz")

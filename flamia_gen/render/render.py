@@ -86,19 +86,9 @@ def render_with_flags(variant: Variant, **flags) -> str:
     return render_variant(replace(variant, params=tuple(sorted({**dict(variant.params), **flags}.items()))))
 
 
-def rendered_literal(source: str, name: str):
-    """A module-level literal (`PARAMS`, `ARGS`, `TILE_M`, …) of a rendered source, read without importing it (None if
-    it has none)."""
-    from ..build.bundle import _module_literal  # lazily: flamia_gen.build.bundle imports this package
-
-    return _module_literal(source, name)
-
-
 def rendered_literals(source: str, names) -> dict:
-    """Several module-level literals of a rendered source in one parse: {name: value} for those of `names` it assigns
-    (the first assignment of each, as `rendered_literal` reads it)."""
-    import ast
-
+    """Module-level literals (`PARAMS`, `ARGS`, `TILE_M`, …) of a rendered source, read without importing it (importing
+    needs the DSL), in one parse: {name: value} for those of `names` it assigns (the first assignment of each)."""
     want, out = set(names), {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign):
@@ -107,6 +97,11 @@ def rendered_literals(source: str, names) -> dict:
                 if name in want and name not in out:
                     out[name] = ast.literal_eval(node.value)
     return out
+
+
+def rendered_literal(source: str, name: str):
+    """One module-level literal of a rendered source (None if it has none)."""
+    return rendered_literals(source, (name,)).get(name)
 
 
 def rendered_params(source: str) -> dict | None:

@@ -617,12 +617,15 @@ def dq_accum_natural(acc, dtype=None):
     T, H, D = acc.shape
     if D % 32:
         raise ValueError(f"dq_accum: head dim {D} is not a multiple of 32 (the chunk swizzle works on 8 chunks of 4)")
-    src = acc.reshape(-1).view(H, T, D // 32, 8, 4)
+    # the chunk index k = 4·b2 + 2·b1 + b0 as three axes of 2: XOR with s flips the axes of s's set bits (no index
+    # tensor, so no host-to-device copy per call and nothing that stops a CUDA-graph capture)
+    src = acc.reshape(-1).view(H, T, D // 32, 2, 2, 2, 4)
     out = torch.empty((T, H, D), dtype=dtype or acc.dtype, device=acc.device)
-    dst = out.view(T, H, D // 32, 8, 4)
+    dst = out.view(T, H, D // 32, 2, 2, 2, 4)
     for s in range(8):  # tokens t ≡ s (mod 8): chunk k of the natural row is chunk k ^ s of the stored one
-        perm = torch.tensor([k ^ s for k in range(8)], device=acc.device)
-        dst[s::8] = src[:, s::8].index_select(3, perm).transpose(0, 1)
+        part = src[:, s::8]
+        flips = [5 - b for b in range(3) if s >> b & 1]  # bit b of k is axis 5 − b
+        dst[s::8] = (part.flip(flips) if flips else part).transpose(0, 1)
     return out
 
 

@@ -117,15 +117,15 @@ def test_manifest_params_carry_the_templates_defaults():
     """A manifest entry's params are the plan's plus the rendered PARAMS' keys (the template defaults the runtime reads:
     k_row_perm, bwd_q_row_perm, bwd_head_section, ...), never a key on which the two disagree, and not the variant's
     identity (name, route, hashes)."""
-    from flamia_gen.build.bundle import _IDENTITY_PARAMS, _module_literal, kernel_params
+    from flamia_gen.build.bundle import _IDENTITY_PARAMS, kernel_params
     from flamia_gen.plan import make_plan
-    from flamia_gen.render import render_variant
+    from flamia_gen.render import render_variant, rendered_literal
     from flamia_gen.spec import load_specs
 
     seen = set()
     for v in make_plan(load_specs(), arch="sm90").variants:
         src = render_variant(v)
-        rendered, plan = _module_literal(src, "PARAMS"), dict(v.params)
+        rendered, plan = rendered_literal(src, "PARAMS"), dict(v.params)
         got = kernel_params(v, src)
         for k, x in plan.items():
             assert got[k] == x and (k not in rendered or rendered[k] == x), (v.name, k)

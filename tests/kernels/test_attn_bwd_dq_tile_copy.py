@@ -69,11 +69,10 @@ def test_swizzled_stores_are_conflict_free(tok0):
     for warp in range(4):
         for rh in range(2):
             for j in range(8):
-                swz = [(_fragment(lane, warp, rh, j, 64)[0], _fragment(lane, warp, rh, j, 64)[1]) for lane in range(32)]
-                words = [r * D + (c ^ (((tok0 + r) & 7) << 2)) for r, c in swz]
-                assert _wavefronts(words) == 2
-                assert _wavefronts([r * D + c for r, c in swz]) == 8  # unpadded, unswizzled
-                assert _wavefronts([r * (D + 8) + c for r, c in swz]) == 2  # the default's padded rows
+                frag = [_fragment(lane, warp, rh, j, 64) for lane in range(32)]
+                assert _wavefronts([r * D + (c ^ (((tok0 + r) & 7) << 2)) for r, c in frag]) == 2
+                assert _wavefronts([r * D + c for r, c in frag]) == 8  # unpadded, unswizzled
+                assert _wavefronts([r * (D + 8) + c for r, c in frag]) == 2  # the default's padded rows
 
 
 @pytest.mark.parametrize("T,H,D,tok0s", [(37, 3, 64, (0, 16, 21)), (200, 2, 128, (5, 64, 131))])

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from flamia_gen.build.bundle import _module_literal
+from flamia_gen.render import rendered_literal
 from flamia_gen.runtime import ops as ops_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ DROP = object()  # an override value for `merged`: leave that key out
 def generated(name: str) -> tuple[list, dict]:
     """(ARGS, PARAMS) of the checked-in generated/sm90/<name>.py."""
     src = (ROOT / "generated" / "sm90" / f"{name}.py").read_text()
-    return _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
+    return rendered_literal(src, "ARGS"), rendered_literal(src, "PARAMS")
 
 
 @lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flamia_gen.build.bundle import _module_literal
+from flamia_gen.render import rendered_literal
 from flamia_gen.runtime import ops as ops_mod
 from flamia_gen.runtime.attn_bwd import (DIAG_V_ARGS, bwd_schedule, bwd_tiles, bwd_windows, is_diag_v_spec,
                                          make_work_list, run_attn_bwd)
@@ -202,7 +202,7 @@ def rendered_diag():
     if not diag:
         pytest.skip("the plan has no diag_v backward for mxfp8 yet")
     src = render_variant(diag[0])
-    return diag[0], _module_literal(src, "ARGS"), _module_literal(src, "PARAMS")
+    return diag[0], rendered_literal(src, "ARGS"), rendered_literal(src, "PARAMS")
 
 
 def test_rendered_diag_variant_takes_what_run_attn_bwd_passes(rendered_diag):

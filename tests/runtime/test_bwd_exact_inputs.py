@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flamia_gen.build.bundle import _module_literal
+from flamia_gen.render import rendered_literal
 from flamia_gen.runtime import ops as ops_mod
 from flamia_gen.runtime.attention import NoKernelError, token_copy_do_delta
 from flamia_gen.runtime.attn_bwd import (DIAG_K_ARGS, DIAG_V_ARGS, ROWS_ARGS, bwd_schedule, is_diag_k_spec,
@@ -217,7 +217,7 @@ def rendered_exact():
             src = render_variant(v)
         except Exception as e:  # the template's ERROR_... sentinel (jinja2 UndefinedError) until it supports the route
             pytest.skip(f"the template does not render {v.name} yet: {type(e).__name__}: {str(e)[:120]}")
-        out[causal] = (dict(v.params), _module_literal(src, "ARGS"), _module_literal(src, "PARAMS"))
+        out[causal] = (dict(v.params), rendered_literal(src, "ARGS"), rendered_literal(src, "PARAMS"))
     return out
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flamia_gen.build.bundle import _module_literal
+from flamia_gen.render import rendered_literal
 from flamia_gen.runtime import ops as ops_mod
 from flamia_gen.runtime.attention import NVFP4_COPY_REP, NoKernelError, copy_rep, token_copy_use
 from flamia_gen.runtime.attn_bwd import (DIAG_V_ARGS, QK_NVFP4_ARGS, bwd_schedule, is_diag_v_spec,
@@ -215,10 +215,10 @@ def rendered_nvfp4():
             src = render_variant(v)
         except Exception as e:  # the template's ERROR_... sentinel until it supports the route
             pytest.skip(f"the template does not render {v.name}: {type(e).__name__}: {str(e)[:120]}")
-        params = _module_literal(src, "PARAMS")
+        params = rendered_literal(src, "PARAMS")
         if not params.get("qk_nvfp4"):
             pytest.skip(f"the template renders {v.name} without PARAMS qk_nvfp4 (the NVFP4 backward is not in yet)")
-        out[causal] = (dict(v.params), _module_literal(src, "ARGS"), params)
+        out[causal] = (dict(v.params), rendered_literal(src, "ARGS"), params)
     return out
 
 

@@ -294,23 +294,23 @@ def test_backward_with_a_kernel_picks_it_and_the_delta_quantizer(monkeypatch, tm
 
 def _rendered_bwd_entries():
     """The attn_bwd variants' real ARGS and PARAMS (rendered, no DSL needed)."""
-    from flamia_gen.build.bundle import _module_literal
+    from flamia_gen.render import rendered_literal
     from flamia_gen.plan import make_plan
     from flamia_gen.render import render_variant
     from flamia_gen.spec import load_specs
 
     plan = make_plan(load_specs(), arch="sm90")
-    return [_entry(v.name, "attn_bwd", v.uses, dict(v.params), _module_literal(render_variant(v), "ARGS"))
+    return [_entry(v.name, "attn_bwd", v.uses, dict(v.params), rendered_literal(render_variant(v), "ARGS"))
             for v in plan.variants if v.kind.value == "attn_bwd"]
 
 
 def _generated_quant_entry(name, uses):
     from pathlib import Path
 
-    from flamia_gen.build.bundle import _module_literal
+    from flamia_gen.render import rendered_literal
 
     src = (Path(__file__).resolve().parents[2] / "generated" / "sm90" / f"{name}.py").read_text()
-    return _entry(name, "quant", uses, _module_literal(src, "PARAMS"), _module_literal(src, "ARGS"))
+    return _entry(name, "quant", uses, rendered_literal(src, "PARAMS"), rendered_literal(src, "ARGS"))
 
 
 @pytest.mark.parametrize("route", ["fp8_token", "bf16"])
@@ -721,7 +721,7 @@ def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
     neither (dK, dQ in BF16). The dO launch runs for all three."""
     from types import SimpleNamespace
 
-    from flamia_gen.build.bundle import _module_literal
+    from flamia_gen.render import rendered_literal
     from flamia_gen.plan.variants import expand_family
     from flamia_gen.render import render_variant
     from flamia_gen.spec import load_specs
@@ -730,7 +730,7 @@ def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
     fam = specs.families["attn_bwd_sm90"]
     v = next(x for x in expand_family(fam.model_copy(update={"routes": [route]}), specs).variants
              if x.param("head_dim") == D and x.param("causal") and not dict(x.params).get("deterministic"))
-    entry = _entry(v.name, "attn_bwd", v.uses, dict(v.params), _module_literal(render_variant(v), "ARGS"))
+    entry = _entry(v.name, "attn_bwd", v.uses, dict(v.params), rendered_literal(render_variant(v), "ARGS"))
     q, k, v_, cu = _qkv()
     do = torch.randn_like(q)
     launched, called = [], {}
