@@ -131,6 +131,14 @@ EXPERIMENTS: dict[str, dict] = {
     # tile and one bulk reduce-add per writer warp and query tile instead of one per row
     "dqtile": dict(over={"bwd_dq_tile_copy": True}, when=_dq_writer,
                    note="one bulk reduce-add per writer warp and tile (head-major dq_accum, swizzled staging tile)"),
+    # bwd_kv_early (thirty-second session; experiment, built, not run): fp8_token's tile releases the K/V stage after the
+    # unit's last Sᵀ / dPᵀ instead of after its last tile, so the next unit's K, V and first Q tiles load under that tile
+    "kvearly": dict(over={"bwd_kv_early": True}, when=lambda p: _dq16_per_token(p) and not p.get("scores_bf16"),
+                    note="the K/V stage released after the unit's last Sᵀ / dPᵀ (the next unit's loads under its last tile)"),
+    # bwd_q_ahead (thirty-second session; experiment, built, not run): every tile; the producer issues a unit's first
+    # STAGES query tiles before it waits for the K/V stage
+    "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
+                   note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the
     # consumers' wait for the next tile's Sᵀ, dPᵀ operands); the FP8 tiles (their stage is 32 KB)
     "s3": dict(over={"stages": 3}, when=lambda p: p.get("v_fmt") == "e4m3" and p.get("stages") == 2,

@@ -207,8 +207,8 @@ def test_bwd_experiments_variants_names_and_support():
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
     # round 32's dS by stmatrix: stsm on bf16's 4 and fp8_token's 2 non-deterministic tiles, stsmdqf on those 2, nostsm
     # on fp8_token's 2 deterministic ones (dqfirst and nodqfirst now 2 + 2 of the 4 × 6)
-    # (and dqtile on the 4 with a writer warp)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2 + 4
+    # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2 + 4 + 4 + 8
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -256,6 +256,10 @@ def test_bwd_experiments_variants_names_and_support():
             else:  # fp8_token's: off (and dK before dQ) at D = 128 unless deterministic
                 assert v.route == "fp8_token"
                 assert bool(dict(v.params).get("deterministic")) is (tag in ("nostsm", "nodqfirst"))
+        elif tag in ("kvearly", "qahead"):  # the unit boundary (tests/kernels/test_attn_bwd_unit_boundary.py)
+            p = rendered_params(render_variant(v))
+            assert p.get("bwd_kv_early" if tag == "kvearly" else "bwd_q_ahead") is True
+            assert v.route == "fp8_token" or tag == "qahead"
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render_fp8_dq(v)
