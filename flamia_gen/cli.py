@@ -184,6 +184,11 @@ def _build(specs_dir, arch, routes, jobs, force, names=None):
     from .build.builder import build_all
 
     p = _plan(_specs(specs_dir), arch, routes)
+    unknown = sorted(set(names or ()) - {v.name for v in p.variants})
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: no such variant for arch={arch}"
+                                 + (f" routes={list(routes)}" if routes else "") + " (flamia-gen plan lists them)",
+                                 param_hint="'--variant'")
     variants = [v for v in p.variants if not names or v.name in names]
     if not variants:
         raise Fail(f"no variant to build for arch={arch} routes={list(routes) or 'all'}")
@@ -256,13 +261,31 @@ def _sass_check(results) -> dict:
 @click.option("--arch", type=click.Choice(ARCHS), required=True)
 @click.option("--route", "routes", multiple=True)
 @click.option("--variant", "names", multiple=True)
+@click.option("--retime", "retime_path", type=click.Path(dir_okay=False), default=None, metavar="TABLE",
+              help="what `flamia-gen tune --retime TABLE` times: the winners of TABLE's entries timed on another "
+                   "build or none recorded, and the forwards and quantizers the backward ones' op paths need")
 @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True)
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), required=True)
-def bundle(specs_dir, arch, routes, names, jobs, out_dir):
+def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
     """Build and pack kernels + DSL runtime + manifest for a host without the DSL compiler."""
     from .build.bundle import write_bundle
     from .build.cache import BuildCache
 
+    if retime_path:
+        if routes or names:
+            raise click.BadParameter("--retime picks the variants itself: leave out --route and --variant",
+                                     param_hint="'--retime'")
+        from .tune.cli import _retime_table
+        from .tune.retime import retime_variants
+
+        specs = _specs(specs_dir)
+        vs, notes = retime_variants(specs, arch, _retime_table(retime_path, arch), _plan(specs, arch))
+        for n in notes:
+            console.print(f"[yellow]not re-timed[/yellow] {n}")
+        if not vs:
+            raise Fail(f"nothing to re-time in {retime_path}: every entry was timed on the build the installed "
+                       "templates render")
+        names = tuple(v.name for v in vs)
     variants, results = _build(specs_dir, arch, routes, jobs, False, names)
     console.print(_status_table(results, f"bundle --arch {arch}"))
     m = write_bundle(Path(out_dir), arch, variants, results, BuildCache())

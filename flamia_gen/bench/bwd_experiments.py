@@ -193,40 +193,17 @@ def with_candidates(specs, candidates=()):
 
 
 def base_variants(routes=ROUTES, head_dim: int = HEAD_DIM, candidates=()):
-    """(backward variants, what their op path needs: forward and quantizer variants) of the routes at
-    `head_dim` — one forward variant per causality is enough (backward_setup takes any), plus, for a `diag_v`
-    backward (route diagonal per_key_v), one of tile_n == its fwd_tile_n (the only forwards it pairs
-    with: verify.attn_gpu.forward_entry_for). `candidates`: routes the families do not list yet
-    (`with_candidates`), built and tested like the others."""
+    """(backward variants, what their op path needs: forward and quantizer variants, `plan.op_support`) of the routes
+    at `head_dim`. `candidates`: routes the families do not list yet (`with_candidates`), built and tested like the
+    others."""
     from ..plan import make_plan
+    from ..plan.op_support import backward_support
     from ..spec import KernelKind, load_specs
 
     specs = with_candidates(load_specs(), candidates)
     plan = make_plan(specs, arch="sm90", routes=list(routes) + [c for c in candidates if c not in routes])
-    at_d = [v for v in plan.variants if v.param("head_dim") == head_dim]
-    bwd = [v for v in at_d if v.kind == KernelKind.attn_bwd]
-    fwd, seen = [], set()
-    for v in at_d:
-        if v.kind != KernelKind.attn_fwd:
-            continue
-        key = (v.route, v.param("causal"))
-        if key not in seen:
-            seen.add(key)
-            fwd.append(v)
-    # diag_v backwards: a forward of their fwd_tile_n (the first one per causality may have another tile_n); the
-    # plan's params lack the template's fwd_tile_n, which it renders as the backward's tile_n
-    # (runtime.attn_bwd.fwd_tile_n_of; not imported here: this module stays torch-free until `run`)
-    for b in bwd:
-        bp = dict(b.params)
-        if not bp.get("diag_v"):
-            continue
-        pair = lambda v: (v.kind == KernelKind.attn_fwd and v.route == b.route  # noqa: E731
-                          and v.param("causal") == bp["causal"]
-                          and dict(v.params).get("tile_n") == bp.get("fwd_tile_n", bp["tile_n"]))
-        if not any(pair(v) for v in fwd):
-            fwd += [v for v in at_d if pair(v)][:1]
-    quant = [v for v in at_d if v.kind == KernelKind.quant]
-    return bwd, fwd + quant
+    bwd = [v for v in plan.variants if v.param("head_dim") == head_dim and v.kind == KernelKind.attn_bwd]
+    return bwd, backward_support(specs, "sm90", bwd)
 
 
 def build(out_dir, flags=DEFAULT_EXPERIMENTS, *, jobs: int = 2, candidates=(), variant_globs=(), routes=ROUTES,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -120,6 +121,20 @@ def _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, device_ids, workers
     return cfg, names[0], ids
 
 
+def _retime_table(path, arch) -> dict:
+    """The table `--retime` names: a valid table of `arch` (structure checked; its GPU and specs may differ from
+    this host's, which is what a re-time is for)."""
+    from ..dispatch.table import load_table
+
+    table, why = load_table(path)
+    if table is None:
+        raise click.BadParameter(why, param_hint="'--retime'")
+    if table["_metadata"]["arch"] != arch:
+        raise click.BadParameter(f"{path} is a table of {table['_metadata']['arch']}, not {arch}",
+                                 param_hint="'--retime'")
+    return table
+
+
 def _studies_table(specs, title):
     t = Table(title=title)
     for c in ("entry", "candidates", "budget", "workload"):
@@ -162,8 +177,9 @@ def _progress():
 @click.option("--trials", type=click.IntRange(1, 100000), default=None,
               help="measured variants per study, counting those already in it (default: every candidate)")
 @_storage_opt
-@click.option("--workloads", default="paper", show_default=True,
-              help="packed rows, comma-separated: 4x4096, 8192+224x256, 131072x1, or a preset (paper, small)")
+@click.option("--workloads", default=None,
+              help="packed rows, comma-separated: 4x4096, 8192+224x256, 131072x1, or a preset (paper, small); "
+                   "default: paper (with --retime: the rows the table's entries were timed on)")
 @click.option("--heads", type=click.IntRange(1, 256), default=16, show_default=True, help="heads of every workload")
 @click.option("--kind", "kinds", multiple=True, type=click.Choice(KINDS), help="only this kernel kind (repeatable)")
 @click.option("--route", "routes", multiple=True,
@@ -181,17 +197,27 @@ def _progress():
               help="fake: deterministic synthetic times, no GPU (plumbing checks and dry runs)")
 @click.option("--repeats", type=click.IntRange(20, 10000), default=30, show_default=True,
               help="timed calls per measurement (median reported)")
+@click.option("--retime", "retime_path", type=click.Path(dir_okay=False), default=None, metavar="TABLE",
+              help="only the buckets of TABLE whose times describe another build of their winner (a template change "
+                   "since tuning) or none recorded, each with its group's winners as the only candidates; then "
+                   "`freeze --carry TABLE` (its bundle: `flamia-gen bundle --retime TABLE`)")
 @click.option("--dry-run", is_flag=True, help="list the studies and exit")
 @click.option("--fake-gpu", default="Fake GPU", hidden=True)
 @click.option("--fake-fail", multiple=True, hidden=True, help="fake runner: variants (globs) that fail verification")
 @click.option("--fake-delay", type=float, default=0.0, hidden=True)
 @click.option("--fake-log", default=None, hidden=True)
 def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, routes, head_dims, bundle_dir, jobs,
-                 workers, device_ids, runner_type, repeats, dry_run, fake_gpu, fake_fail, fake_delay, fake_log):
+                 workers, device_ids, runner_type, repeats, retime_path, dry_run, fake_gpu, fake_fail, fake_delay,
+                 fake_log):
     """Autotune variants per workload bucket (optuna; resumable; many workers share a study)."""
     from .space import make_study_specs, parse_workloads, select_groups
 
     ids = _device_ids(device_ids)
+    retime = _retime_table(retime_path, arch) if retime_path else None
+    if retime is not None and workloads is None:
+        from .retime import retime_workloads
+
+        workloads = retime_workloads(retime, retime["entries"]) or None
     try:
         wl = parse_workloads(workloads, heads)
     except ValueError as e:
@@ -212,6 +238,16 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
         raise click.BadParameter(str(e), param_hint="'--route'") from None
     if not groups:
         raise Fail(f"nothing to tune for arch={arch} kinds={list(kinds) or 'all'} routes={list(routes) or 'all'}")
+    if retime is not None:
+        from .retime import retime_groups
+
+        groups, notes = retime_groups(groups, retime, plan, arch=arch)
+        for n in notes:
+            console.print(f"[yellow]not re-timed[/yellow] {n}")
+        if not groups:
+            raise Fail(f"nothing to re-time in {retime_path} for kinds={list(kinds) or 'all'} "
+                       f"routes={list(routes) or 'all'}: every selected entry was timed on the build the installed "
+                       "templates render")
     candidates = sorted({n for g in groups for n in g.candidates})
 
     if runner_type == "fake":
@@ -223,6 +259,18 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
     else:
         runner_cfg, gpu, ids = _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, ids, workers, plan)
     studies = make_study_specs(groups, wl, gpu=gpu, trials=trials)
+    if retime is not None:
+        from .retime import untrusted_entries
+
+        want = untrusted_entries(retime, plan, arch=arch)
+        missed = sorted(k for k in want if retime["entries"][k]["group"] in {g.key for g in groups}
+                        and k not in {s.key for s in studies})
+        for k in missed:
+            console.print(f"[yellow]not re-timed[/yellow] {k}: no workload given lands in its bucket (the table timed "
+                          f"it on {retime['entries'][k].get('workload')})")
+        studies = [replace(s, extra={"retime": True}) for s in studies if s.key in want]
+        if not studies:
+            raise Fail(f"nothing to re-time in {retime_path}: no workload given lands in an untrusted bucket")
     if dry_run:
         console.print(_studies_table(studies, f"{len(studies)} studies, {sum(s.budget for s in studies)} trials "
                                               f"({arch}, {gpu})"))

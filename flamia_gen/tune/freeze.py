@@ -109,7 +109,12 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None,
         if g is None:
             rep.skipped.append(f"{s.study_name}: group {a['group']} is not in the installed plan")
             continue
-        if list(g.candidates) != list(a["candidates"]):
+        if a.get("retime"):
+            # `tune --retime`: the group's winners of a table's untrusted entries, a subset of its candidates
+            if not set(a["candidates"]) <= set(g.candidates):
+                rep.skipped.append(f"{s.study_name}: its candidates are no longer the installed plan's (specs changed)")
+                continue
+        elif list(g.candidates) != list(a["candidates"]):
             rep.skipped.append(f"{s.study_name}: its candidates differ from the installed plan's (specs changed)")
             continue
         key = f"{a['group']}/{bucket_label(a['bucket'])}"
@@ -147,8 +152,10 @@ def freeze(storage, arch: str, gpu: str | None = None, *, specs=None, plan=None,
             "group": a["group"], "kind": a["kind"], "route": a["route"], "head_dim": a["head_dim"],
             "causal": a["causal"], "bucket": dict(a["bucket"]),
             "winner": row(ok[0]), "runner_up": row(ok[1]) if len(ok) > 1 else None,
-            "trials": len(trials), "candidates": len(a["candidates"]), "pruned": pruned,
+            "trials": len(trials), "candidates": len(groups[a["group"]].candidates), "pruned": pruned,
             "workload": a["workload"], "heads": a["heads"], "study": s.study_name,
+            # a re-time measured only the group's earlier winners: the choice among the others is the earlier one's
+            **({"retimed": len(a["candidates"])} if a.get("retime") else {}),
         }
     hashes = spec_hashes(specs, plan, arch)
     if carry is not None:

@@ -114,11 +114,13 @@ class StudySpec:
         return f"{self.group.key}/{bucket_label(self.bucket)}"
 
     def attrs(self) -> dict:
-        """Stored in the study's user attributes: freeze reads them, never the name."""
+        """Stored in the study's user attributes: freeze reads them, never the name. `retime` (extra): the candidates
+        are the winners of a table's untrusted entries, a subset of the group's (`tune.retime`)."""
         return {"flamia_gen_study": 1, "arch": self.arch, "gpu": self.gpu, "group": self.group.key,
                 "kind": self.group.kind, "route": self.group.route, "head_dim": self.group.head_dim,
                 "causal": self.group.causal, "bucket": self.bucket, "workload": self.workload.label,
-                "heads": self.workload.heads, "candidates": list(self.candidates)}
+                "heads": self.workload.heads, "candidates": list(self.candidates),
+                **({"retime": True} if self.extra.get("retime") else {})}
 
     def to_dict(self) -> dict:
         d = asdict(self)
