@@ -65,9 +65,9 @@ def _device_ids(text: str | None) -> list[int] | None:
     return ids
 
 
-def _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, device_ids, workers, plan):
+def _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, device_ids, workers, plan, specs=None):
     """Runner config, GPU name and the GPU ids to use, for real timing; builds a local
-    bundle when none is given."""
+    bundle when none is given (the candidates and what the backward ones' op paths need)."""
     try:
         import torch
     except ImportError:
@@ -102,6 +102,12 @@ def _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, device_ids, workers
         from ..build.cache import BuildCache, cache_root
 
         variants = [plan.by_name(n) for n in sorted(candidates)]
+        bwd = [v for v in variants if v.kind.value == "attn_bwd"]
+        if bwd and specs is not None:
+            from ..plan.op_support import backward_support
+
+            # a backward is verified and timed with O and LSE from a forward, through its route's quantizers
+            variants += [v for v in backward_support(specs, arch, bwd) if v.name not in candidates]
         with console.status(f"building {len(variants)} variants (cached, --jobs {jobs})"):
             results = build_all(variants, jobs=jobs)
         missing = {r.name: r.message for r in results if r.status == "failed"}
@@ -257,7 +263,7 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
     elif dry_run:
         runner_cfg, gpu = {}, "<this GPU>"
     else:
-        runner_cfg, gpu, ids = _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, ids, workers, plan)
+        runner_cfg, gpu, ids = _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, ids, workers, plan, specs)
     studies = make_study_specs(groups, wl, gpu=gpu, trials=trials)
     if retime is not None:
         from .retime import untrusted_entries

@@ -161,3 +161,39 @@ def test_table_check_and_show_warn_about_entries_timed_on_another_build(run, tmp
     res = run("table", "check", str(p))
     # (the shipped table may itself hold entries awaiting a re-tune — round 30's backward defaults — but not this one)
     assert res.exit_code == 0 and "attn_fwd/fp8_tensor/d128/causal" not in res.output, res.output
+
+
+def test_gpu_runner_builds_a_backwards_op_path(monkeypatch, tmp_path):
+    """Tuning backwards on a GPU host that has the DSL (no --bundle): the local bundle holds, besides the candidates,
+    the forward (O, LSE) and the quantizers their op path runs (plan.op_support); without them every backward
+    candidate failed verification with "bundle has no attn_fwd variant" (fixed 2026-12-05)."""
+    torch = pytest.importorskip("torch")
+    from flamia_gen.build import builder, bundle, cache, toolchain
+    from flamia_gen.plan import make_plan
+    from flamia_gen.spec import load_specs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(toolchain, "dsl_available", lambda: True)
+    monkeypatch.setattr(cache, "cache_root", lambda: tmp_path)
+    seen = {}
+
+    def fake_build_all(variants, jobs=1, **kw):
+        seen["names"] = [v.name for v in variants]
+        return []
+
+    monkeypatch.setattr(builder, "build_all", fake_build_all)
+    monkeypatch.setattr(bundle, "write_bundle", lambda *a, **k: {})
+    specs = load_specs()
+    plan = make_plan(specs, arch="sm90")
+    cands = ["attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"]
+    cfg, gpu, ids = tcli._gpu_runner("sm90", None, 1, 30, cands, None, 1, plan, specs)
+    names = seen["names"]
+    assert gpu == "NVIDIA H200" and cands[0] in names and len(names) == len(set(names))
+    kinds = {plan.by_name(n).kind.value for n in names}
+    assert kinds == {"attn_bwd", "attn_fwd", "quant"}
+    assert {(plan.by_name(n).route, plan.by_name(n).param("causal")) for n in names
+            if plan.by_name(n).kind.value == "attn_fwd"} == {("fp8_token", True), ("fp8_token", False)}
+    assert "quant_sm90_e4m3_tok_ceil_delta_d128_t32_h1" in names  # the dO launch
