@@ -13,22 +13,25 @@ from .variants import Variant, make_plan
 
 
 def backward_support(specs, arch: str, backwards) -> list[Variant]:
-    """The forward and quantizer variants the op paths of `backwards` need (each once, in plan order per
-    (route, head dim)): one forward per causality, a diag_v backward's paired forward, and every quantizer of the
-    route's plan at that head dim (its own representations and the exact routes' copies)."""
-    out: dict[str, Variant] = {}
-    plans: dict[str, object] = {}
-    keys = sorted({(v.route, v.param("head_dim")) for v in backwards})
-    for route, d in keys:
-        if route not in plans:
-            plans[route] = make_plan(specs, arch=arch, routes=[route])
-        at_d = [v for v in plans[route].variants if v.param("head_dim") == d]
-        fwd = [v for v in at_d if v.kind.value == "attn_fwd"]
+    """The forward and quantizer variants the op paths of `backwards` need, in plan order: per (route, head dim) one
+    forward per causality and a diag_v backward's paired forward; per head dim every quantizer of the backwards'
+    routes (their own representations and the exact routes' copies). The variants come from ONE plan of those routes
+    together, so a quantizer that several of them share lists all of them in `uses` (the runtime picks a route's
+    quantizer by it)."""
+    backwards = list(backwards)
+    if not backwards:
+        return []
+    plan = make_plan(specs, arch=arch, routes=sorted({v.route for v in backwards}))
+    dims = {v.param("head_dim") for v in backwards}
+    need: set[str] = set()
+    for route, d in sorted({(v.route, v.param("head_dim")) for v in backwards}):
+        fwd = [v for v in plan.variants if v.kind.value == "attn_fwd" and v.route == route
+               and v.param("head_dim") == d]
         seen = set()
         for v in fwd:
             if v.param("causal") not in seen:
                 seen.add(v.param("causal"))
-                out.setdefault(v.name, v)
+                need.add(v.name)
         # diag_v backwards: a forward of their fwd_tile_n (the first per causality may have another tile_n); the
         # plan's params lack the template's fwd_tile_n, which it renders as the backward's tile_n
         # (runtime.attn_bwd.fwd_tile_n_of; not imported here: the plan stays torch-free)
@@ -37,13 +40,11 @@ def backward_support(specs, arch: str, backwards) -> list[Variant]:
             if b.route != route or bp["head_dim"] != d or not bp.get("diag_v"):
                 continue
             want = bp.get("fwd_tile_n", bp["tile_n"])
-            pair = [v for v in fwd if v.param("causal") == bp["causal"] and dict(v.params).get("tile_n") == want]
-            if pair and not any(n in out for n in (v.name for v in pair)):
-                out[pair[0].name] = pair[0]
-        for v in at_d:
-            if v.kind.value == "quant":
-                out.setdefault(v.name, v)
-    return list(out.values())
+            pair = [v.name for v in fwd if v.param("causal") == bp["causal"] and dict(v.params).get("tile_n") == want]
+            if pair and not need.intersection(pair):
+                need.add(pair[0])
+    return [v for v in plan.variants
+            if v.name in need or (v.kind.value == "quant" and v.param("head_dim") in dims)]
 
 
 __all__ = ["backward_support"]

@@ -166,3 +166,19 @@ def test_bundle_retime_refusals(tmp_path):
     assert res.exit_code == 2 and "leave out --route and --variant" in res.output
     res = r.invoke(main, ["bundle", "--arch", "sm90", "--variant", "attn_fwd_sm90_nope", "-o", str(tmp_path / "b")])
     assert res.exit_code == 2 and "attn_fwd_sm90_nope: no such variant" in res.output
+
+
+def test_backward_support_lists_every_route_in_a_shared_quantizers_uses():
+    """Two routes' backwards that share a quantizer (fp8_token, fp8_token_bf16qk: E4M3 per token): the bundle's copy
+    lists both routes' operands in `uses`, which the runtime picks a route's quantizer by (a plan per route would keep
+    only the first route's: caught by CI on 2026-12-05)."""
+    from flamia_gen.plan.op_support import backward_support
+
+    bwd = [v for v in PLAN.variants if v.kind.value == "attn_bwd" and v.param("head_dim") == 128
+           and v.route in ("fp8_token", "fp8_token_bf16qk") and v.param("causal")]
+    sup = {v.name: v for v in backward_support(SPECS, "sm90", bwd)}
+    uses = set(sup["quant_sm90_e4m3_tok_ceil_d128_t32_h1"].uses)
+    assert {f"{r}.{o}" for r in ("fp8_token", "fp8_token_bf16qk") for o in ("q", "k", "v", "do")} <= uses
+    assert {(v.route, v.param("causal")) for v in sup.values() if v.kind.value == "attn_fwd"} == {
+        (r, c) for r in ("fp8_token", "fp8_token_bf16qk") for c in (True, False)}
+    assert backward_support(SPECS, "sm90", []) == []
