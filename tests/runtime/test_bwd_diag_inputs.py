@@ -231,6 +231,7 @@ def test_bwd_experiments_bundles_a_forward_the_diag_backward_pairs_with(rendered
     too: here the plan lists the tile_n = 192 forwards first, so the first forward would not pair."""
     import flamia_gen.bench.bwd_experiments as bx
     import flamia_gen.plan as plan_mod
+    import flamia_gen.plan.op_support as op_support
 
     real = plan_mod.make_plan
 
@@ -240,6 +241,8 @@ def test_bwd_experiments_bundles_a_forward_the_diag_backward_pairs_with(rendered
         return SimpleNamespace(variants=vs)
 
     monkeypatch.setattr(plan_mod, "make_plan", n192_first)
+    # the support's own plan (plan.op_support, since 2026-12-05): the same reordering
+    monkeypatch.setattr(op_support, "make_plan", n192_first)
     bwd, support = bx.base_variants(routes=(), candidates=["mxfp8"])
     fwd = [s for s in support if s.kind.value == "attn_fwd"]
     assert {s.param("tile_n") for s in fwd} == {192, 128}  # the first per causality, and the pairing one
