@@ -180,10 +180,11 @@ def _status_table(results, title):
     return t
 
 
-def _build(specs_dir, arch, routes, jobs, force, names=None):
+def _build(specs_dir, arch, routes, jobs, force, names=None, plan=None):
+    """Build the plan's variants (`names`: only those; `plan`: one the caller made already)."""
     from .build.builder import build_all
 
-    p = _plan(_specs(specs_dir), arch, routes)
+    p = plan if plan is not None else _plan(_specs(specs_dir), arch, routes)
     unknown = sorted(set(names or ()) - {v.name for v in p.variants})
     if unknown:
         raise click.BadParameter(f"{', '.join(unknown)}: no such variant for arch={arch}"
@@ -271,6 +272,7 @@ def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
     from .build.bundle import write_bundle
     from .build.cache import BuildCache
 
+    plan = None
     if retime_path:
         if routes or names:
             raise click.BadParameter("--retime picks the variants itself: leave out --route and --variant",
@@ -279,14 +281,15 @@ def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
         from .tune.retime import retime_variants
 
         specs = _specs(specs_dir)
-        vs, notes = retime_variants(specs, arch, _retime_table(retime_path, arch), _plan(specs, arch))
+        plan = _plan(specs, arch)
+        vs, notes = retime_variants(specs, arch, _retime_table(retime_path, arch), plan)
         for n in notes:
             console.print(f"[yellow]not re-timed[/yellow] {n}")
         if not vs:
             raise Fail(f"nothing to re-time in {retime_path}: every entry was timed on the build the installed "
                        "templates render")
         names = tuple(v.name for v in vs)
-    variants, results = _build(specs_dir, arch, routes, jobs, False, names)
+    variants, results = _build(specs_dir, arch, routes, jobs, False, names, plan=plan)
     console.print(_status_table(results, f"bundle --arch {arch}"))
     m = write_bundle(Path(out_dir), arch, variants, results, BuildCache())
     console.print(f"bundle {out_dir}: {len(m['variants'])} variants, arch {arch}, DSL {m['dsl_version']}"

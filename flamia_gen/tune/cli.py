@@ -220,16 +220,19 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
 
     ids = _device_ids(device_ids)
     retime = _retime_table(retime_path, arch) if retime_path else None
-    if retime is not None and workloads is None:
-        from .retime import retime_workloads
+    specs = _specs(specs_dir)
+    plan = _plan(specs, arch)
+    untrusted = {}
+    if retime is not None:
+        from .retime import retime_workloads, untrusted_entries
 
-        workloads = retime_workloads(retime, retime["entries"]) or None
+        untrusted = untrusted_entries(retime, plan, arch=arch)  # renders every winner once: the one call
+        if workloads is None:
+            workloads = retime_workloads(retime, untrusted) or None
     try:
         wl = parse_workloads(workloads, heads)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--workloads'") from None
-    specs = _specs(specs_dir)
-    plan = _plan(specs, arch)
     if runner_type == "gpu":
         from .gpu import KIND_HOOKS
 
@@ -247,7 +250,7 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
     if retime is not None:
         from .retime import retime_groups
 
-        groups, notes = retime_groups(groups, retime, plan, arch=arch)
+        groups, notes = retime_groups(groups, retime, untrusted)
         for n in notes:
             console.print(f"[yellow]not re-timed[/yellow] {n}")
         if not groups:
@@ -266,9 +269,7 @@ def tune_command(specs_dir, arch, trials, storage, workloads, heads, kinds, rout
         runner_cfg, gpu, ids = _gpu_runner(arch, bundle_dir, jobs, repeats, candidates, ids, workers, plan, specs)
     studies = make_study_specs(groups, wl, gpu=gpu, trials=trials)
     if retime is not None:
-        from .retime import untrusted_entries
-
-        want = untrusted_entries(retime, plan, arch=arch)
+        want = untrusted
         missed = sorted(k for k in want if retime["entries"][k]["group"] in {g.key for g in groups}
                         and k not in {s.key for s in studies})
         for k in missed:

@@ -25,11 +25,12 @@ def untrusted_entries(table: dict, plan, *, arch: str | None = None) -> dict[str
     return dict(sorted(out.items()))
 
 
-def retime_groups(groups, table: dict, plan, *, arch: str | None = None) -> tuple[list, list[str]]:
-    """(the `groups` that hold untrusted entries, each with the winners of those entries as its only candidates, in the
-    group's own order; notes on untrusted winners the group no longer offers, which cannot be re-timed)."""
+def retime_groups(groups, table: dict, untrusted: dict[str, str]) -> tuple[list, list[str]]:
+    """(the `groups` that hold `untrusted` entries (`untrusted_entries` of `table`), each with the winners of those
+    entries as its only candidates, in the group's own order; notes on untrusted winners the group no longer offers,
+    which cannot be re-timed)."""
     by_group: dict[str, set[str]] = {}
-    for key, winner in untrusted_entries(table, plan, arch=arch).items():
+    for key, winner in untrusted.items():
         by_group.setdefault(table["entries"][key]["group"], set()).add(winner)
     out, notes = [], []
     for g in groups:
@@ -62,7 +63,8 @@ def retime_variants(specs, arch: str, table: dict, plan) -> tuple[list, list[str
     from ..dispatch.defaults import plan_groups
     from ..plan.op_support import backward_support
 
-    groups, notes = retime_groups(list(plan_groups(plan, specs).values()), table, plan, arch=arch)
+    groups, notes = retime_groups(list(plan_groups(plan, specs).values()), table,
+                                  untrusted_entries(table, plan, arch=arch))
     names = {n for g in groups for n in g.candidates}
     winners = [v for v in plan.variants if v.name in names]
     support = backward_support(specs, arch, [v for v in winners if v.kind.value == "attn_bwd"])

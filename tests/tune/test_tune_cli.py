@@ -1,30 +1,11 @@
 import json
 from pathlib import Path
 
-import click
 import pytest
-from click.testing import CliRunner
 
 from flamia_gen.tune import cli as tcli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def run(monkeypatch, tmp_path):
-    from rich.console import Console
-
-    monkeypatch.setattr(tcli, "console", Console(width=250))
-    monkeypatch.setenv("FLAMIA_GEN_TUNING_DB", str(tmp_path / "db"))
-
-    @click.group()
-    def main():
-        pass
-
-    for c in (tcli.tune_command, tcli.freeze_command, tcli.table_command):
-        main.add_command(c)
-    r = CliRunner()
-    return lambda *a: r.invoke(main, list(a), catch_exceptions=False)
 
 
 # one group: the representation tag (the route name mxfp8 also selects its dO launch, e4m3_tb32_ceil_delta)
