@@ -121,11 +121,12 @@ def merge_bundles(out_dir: Path, sources: list[Path]) -> dict:
     checked against its own manifest's sha256 before it is copied; a variant in two sources must be the same file
     (the same sha256), else the merge fails naming it. The manifest is written last, atomically, as write_bundle's."""
     from ..runtime.bundle import BundleError, read_manifest
+    from ..runtime.bundle_archive import bundle_root
 
     if not sources:
         raise BundleError("merge: no source bundles given")
     out_dir = Path(out_dir)
-    srcs = [Path(s) for s in sources]
+    srcs = [bundle_root(s) for s in sources]  # packed sources merge from their unpacked folders
     if any(s.resolve() == out_dir.resolve() for s in srcs):
         raise BundleError(f"merge: the output {out_dir} is one of the sources; write to a new folder")
     manifests = [read_manifest(s) for s in srcs]

@@ -26,7 +26,10 @@ class BundleError(RuntimeError):
 
 
 def read_manifest(bundle_dir: Path | str) -> dict:
-    d = Path(bundle_dir)
+    """The checked manifest of a bundle folder, or of a packed bundle (`*.tar.xz`, unpacked once: bundle_archive)."""
+    from .bundle_archive import bundle_root  # late: bundle_archive imports this module
+
+    d = bundle_root(bundle_dir)
     p = d / "manifest.json"
     if not p.exists():
         raise BundleError(f"{d}: no manifest.json (not a bundle, or a bundle that was never finished)")
@@ -117,9 +120,11 @@ class Bundle:
 
 
 def load_bundle(bundle_dir: Path | str | None = None) -> Bundle:
-    """`bundle_dir`, else `$FLAMIA_GEN_BUNDLE`."""
+    """`bundle_dir`, else `$FLAMIA_GEN_BUNDLE`: a bundle folder or a packed bundle (`flamia-gen bundle-pack`)."""
     d = bundle_dir or os.environ.get("FLAMIA_GEN_BUNDLE")
     if not d:
         raise BundleError("no bundle given: pass a folder or set FLAMIA_GEN_BUNDLE")
-    d = Path(d)
-    return Bundle(d, read_manifest(d))
+    from .bundle_archive import bundle_root
+
+    root = bundle_root(d)  # a packed bundle's unpacked folder
+    return Bundle(root, read_manifest(root))

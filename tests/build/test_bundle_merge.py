@@ -3,7 +3,6 @@ another toolchain or two different kernels under one name are refused with the r
 manifests with real sha256s), so no compiler is needed."""
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -14,27 +13,9 @@ from flamia_gen.cli import main
 from flamia_gen.runtime.bundle import BundleError, read_manifest
 
 
-def _bundle(root: Path, kernels: dict[str, bytes], runtime: bytes = b"runtime-xz", **over) -> Path:
-    (root / "kernels").mkdir(parents=True)
-    (root / "lib").mkdir()
-    (root / "lib" / "libcute_dsl_runtime.so.xz").write_bytes(runtime)
-    entries = []
-    for name, blob in kernels.items():
-        (root / "kernels" / f"{name}.so").write_bytes(blob)
-        entries.append(dict(name=name, file=f"kernels/{name}.so", sha256=sha256_file(root / "kernels" / f"{name}.so"),
-                            kind="attn_bwd", params={"tile_m": 64}))
-    m = dict(format=1, arch="sm90", dsl_version="4.8.1", tvm_ffi_version="0.1.15.post2", flamia_gen_version="0.1.0",
-             executed_here=True, variants=entries,
-             runtime=dict(file="lib/libcute_dsl_runtime.so.xz", sha256="ab" * 32,
-                          sha256_xz=sha256_file(root / "lib" / "libcute_dsl_runtime.so.xz")))
-    m.update(over)
-    (root / "manifest.json").write_text(json.dumps(m))
-    return root
-
-
-def test_merge_keeps_every_variant_once_and_checks_out(tmp_path):
-    a = _bundle(tmp_path / "a", {"k1": b"one", "k2": b"two"})
-    b = _bundle(tmp_path / "b", {"k2": b"two", "k3": b"three"})
+def test_merge_keeps_every_variant_once_and_checks_out(tmp_path, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one", "k2": b"two"})
+    b = hand_bundle(tmp_path / "b", {"k2": b"two", "k3": b"three"})
     out = tmp_path / "out"
     m = merge_bundles(out, [a, b])
     assert [e["name"] for e in m["variants"]] == ["k1", "k2", "k3"]
@@ -46,34 +27,34 @@ def test_merge_keeps_every_variant_once_and_checks_out(tmp_path):
     assert (out / "lib" / "libcute_dsl_runtime.so.xz").read_bytes() == b"runtime-xz"
 
 
-def test_merge_refuses_a_corrupt_kernel(tmp_path):
-    a = _bundle(tmp_path / "a", {"k1": b"one"})
-    b = _bundle(tmp_path / "b", {"k3": b"three"})
+def test_merge_refuses_a_corrupt_kernel(tmp_path, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one"})
+    b = hand_bundle(tmp_path / "b", {"k3": b"three"})
     (b / "kernels" / "k3.so").write_bytes(b"tampered")
     with pytest.raises(BundleError, match="k3.so: missing or its sha256"):
         merge_bundles(tmp_path / "out", [a, b])
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_merge_refuses_one_name_with_two_kernels(tmp_path):
-    a = _bundle(tmp_path / "a", {"k1": b"one"})
-    b = _bundle(tmp_path / "b", {"k1": b"another build"})
+def test_merge_refuses_one_name_with_two_kernels(tmp_path, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one"})
+    b = hand_bundle(tmp_path / "b", {"k1": b"another build"})
     with pytest.raises(BundleError, match="'k1' is in .* with different kernels"):
         merge_bundles(tmp_path / "out", [a, b])
 
 
 @pytest.mark.parametrize("over, what", [(dict(dsl_version="4.9.0"), "dsl_version"), (dict(arch="sm100"), "arch"),
                                         (dict(format=2), "format")])
-def test_merge_refuses_another_toolchain(tmp_path, over, what):
-    a = _bundle(tmp_path / "a", {"k1": b"one"})
-    b = _bundle(tmp_path / "b", {"k2": b"two"}, **over)
+def test_merge_refuses_another_toolchain(tmp_path, over, what, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one"})
+    b = hand_bundle(tmp_path / "b", {"k2": b"two"}, **over)
     with pytest.raises(BundleError, match=what):
         merge_bundles(tmp_path / "out", [a, b])
 
 
-def test_merge_refuses_another_runtime_and_its_own_source(tmp_path):
-    a = _bundle(tmp_path / "a", {"k1": b"one"})
-    b = _bundle(tmp_path / "b", {"k2": b"two"})
+def test_merge_refuses_another_runtime_and_its_own_source(tmp_path, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one"})
+    b = hand_bundle(tmp_path / "b", {"k2": b"two"})
     m = json.loads((b / "manifest.json").read_text())
     m["runtime"]["sha256"] = "cd" * 32
     (b / "manifest.json").write_text(json.dumps(m))
@@ -83,9 +64,9 @@ def test_merge_refuses_another_runtime_and_its_own_source(tmp_path):
         merge_bundles(a, [a])
 
 
-def test_cli_bundle_merge(tmp_path):
-    a = _bundle(tmp_path / "a", {"k1": b"one"})
-    b = _bundle(tmp_path / "b", {"k2": b"two"})
+def test_cli_bundle_merge(tmp_path, hand_bundle):
+    a = hand_bundle(tmp_path / "a", {"k1": b"one"})
+    b = hand_bundle(tmp_path / "b", {"k2": b"two"})
     r = CliRunner().invoke(main, ["bundle-merge", str(a), str(b), "-o", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     assert "2 variants from 2 bundles" in " ".join(r.output.split())  # rich wraps long lines
