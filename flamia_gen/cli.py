@@ -299,7 +299,7 @@ def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
 
 
 @main.command("bundle-merge")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), required=True)
 def bundle_merge(sources, out_dir):
     """Merge bundles built by the same toolchain into one (e.g. an A/B build and the table's kernels for one GPU call);
@@ -337,8 +337,8 @@ def bundle_pack(source, out_file):
 @main.command()
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--route", "routes", multiple=True, help="route(s) to verify (default: all)")
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), default=None,
-              help="cuda: kernels from this bundle (else $FLAMIA_GEN_BUNDLE)")
+@click.option("--bundle", "bundle_dir", type=click.Path(), default=None,
+              help="cuda: kernels from this bundle, a folder or a bundle-pack .tar.xz (else $FLAMIA_GEN_BUNDLE)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 @click.option("--docs", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--doc-len", type=click.IntRange(1, 65536), default=512, show_default=True)
@@ -377,7 +377,7 @@ def verify(device, routes, bundle_dir, json_out, docs, doc_len, heads, outliers,
 @click.option("--route", "routes", multiple=True, help="route(s) to probe (default: all)")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: the emulator (O and dQ); cuda: the forward kernel of a bundle (O)")
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), default=None)
+@click.option("--bundle", "bundle_dir", type=click.Path(), default=None)
 @click.option("--factor", type=float, default=1e4, show_default=True, help="multiplier of the perturbed token")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def probe(routes, device, bundle_dir, factor, json_out):

@@ -191,8 +191,9 @@ def _progress():
 @click.option("--route", "routes", multiple=True,
               help="only groups serving this route name, or this quantizer tag such as e4m3_tb32_ceil (repeatable)")
 @click.option("--head-dim", "head_dims", multiple=True, type=click.Choice(["64", "128"]), help="only this head dim")
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False), default=None,
-              help="time the kernels of this bundle (built elsewhere with flamia-gen bundle) instead of building here")
+@click.option("--bundle", "bundle_dir", type=click.Path(), default=None,
+              help="time the kernels of this bundle (built elsewhere with flamia-gen bundle; a folder or a "
+                   "bundle-pack .tar.xz) instead of building here")
 @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True,
               help="parallel compiles when building here")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,

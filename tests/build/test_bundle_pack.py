@@ -129,3 +129,11 @@ def test_cli_bundle_pack(tmp_path, hand_bundle):
     (src / "lib" / "libcute_dsl_runtime.so.xz").write_bytes(b"x")
     r = CliRunner().invoke(main, ["bundle-pack", str(src), "-o", str(tmp_path / "c.tar.xz")])
     assert r.exit_code != 0 and "sha256 does not match" in r.output
+
+
+def test_cli_bundle_merge_takes_a_packed_source(tmp_path, hand_bundle):
+    _, a = _packed(tmp_path, hand_bundle, {"k1": b"one"}, "a.tar.xz")
+    b = hand_bundle(tmp_path / "b", {"k2": b"two"})
+    r = CliRunner().invoke(main, ["bundle-merge", str(a), str(b), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "out" / "kernels").iterdir()) == ["k1.so", "k2.so"]
