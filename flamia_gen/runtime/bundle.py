@@ -43,13 +43,17 @@ def read_manifest(bundle_dir: Path | str) -> dict:
     return m
 
 
+def runtime_dir() -> Path:
+    """Where bundles' runtimes (and packed bundles) are unpacked: $FLAMIA_GEN_RUNTIME_DIR, else the temp dir."""
+    return Path(os.environ.get("FLAMIA_GEN_RUNTIME_DIR", Path(tempfile.gettempdir()) / "flamia-gen-runtime"))
+
+
 def _unpack_runtime(d: Path, rt: dict) -> Path:
     """Unpack the xz once into a per-digest folder; verify the raw bytes too."""
     xz = d / rt["file"]
     if not xz.exists() or sha256_file(xz) != rt["sha256_xz"]:
         raise BundleError(f"{xz}: missing or its sha256 does not match the manifest")
-    cache = Path(os.environ.get("FLAMIA_GEN_RUNTIME_DIR", Path(tempfile.gettempdir()) / "flamia-gen-runtime"))
-    out = cache / rt["sha256"][:16] / "libcute_dsl_runtime.so"
+    out = runtime_dir() / rt["sha256"][:16] / "libcute_dsl_runtime.so"
     if out.exists() and sha256_file(out) == rt["sha256"]:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

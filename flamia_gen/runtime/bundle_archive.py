@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ..build.cache import sha256_file  # standard library only, no DSL
-from .bundle import BundleError, read_manifest
+from .bundle import BundleError, read_manifest, runtime_dir
 
 PACKED_SUFFIX = ".tar.xz"
 
@@ -73,10 +73,6 @@ def pack_bundle(src_dir: Path | str, out_file: Path | str) -> dict:
     return m
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FLAMIA_GEN_RUNTIME_DIR", Path(tempfile.gettempdir()) / "flamia-gen-runtime")) / "bundles"
-
-
 def unpacked_bundle(archive: Path | str) -> Path:
     """The folder of a packed bundle, unpacked once per archive digest and checked file by file."""
     p = Path(archive)
@@ -84,7 +80,7 @@ def unpacked_bundle(archive: Path | str) -> Path:
         raise BundleArchiveError(f"{p}: no such packed bundle")
     if not p.name.endswith(PACKED_SUFFIX):
         raise BundleArchiveError(f"{p}: not a bundle (a folder, or a {PACKED_SUFFIX} from `flamia-gen bundle-pack`)")
-    out = _cache_dir() / sha256_file(p)[:16]
+    out = runtime_dir() / "bundles" / sha256_file(p)[:16]
     if out.is_dir():
         try:
             if _check_files(out, read_manifest(out)) is None:
