@@ -51,12 +51,16 @@ _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p
 # the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
 _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
 
-# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128 deterministic
+# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128
+# deterministic, and fp8_token's D = 128 tile (E4M3 scores: not scores_bf16) since round 35
 _dq_first_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
-    (p.get("head_dim") == 64) is not bool(p.get("deterministic")))
+    (p.get("head_dim") == 64) is not bool(p.get("deterministic"))
+    or (p.get("head_dim") == 128 and not p.get("scores_bf16")))
 
-# the template's BWD_DS_STSM_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 and their deterministic copies
-_ds_stsm_default = lambda p: _dq16_per_token(p) and (p.get("head_dim") == 64 or bool(p.get("deterministic")))  # noqa: E731
+# the template's BWD_DS_STSM_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64, their deterministic copies, and
+# fp8_token's D = 128 tile since round 35
+_ds_stsm_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
+    p.get("head_dim") == 64 or bool(p.get("deterministic")) or not p.get("scores_bf16"))
 
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
 _ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731

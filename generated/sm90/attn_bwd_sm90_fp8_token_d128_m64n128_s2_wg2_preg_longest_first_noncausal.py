@@ -80,6 +80,8 @@ PARAMS = {
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
     "bwd_row_swz": True,
+    "bwd_ds_stsm": True,
+    "bwd_dq_first": True,
     "bwd_dof_fold": True,
     "bwd_q_row_perm": True,
     "bwd_dq_writers": 2,
@@ -899,7 +901,7 @@ class AttnBwdSm90:
         # (c0, c1, c2, c3, c ≥ 16) to query strides (1, 4, 8, 2, 16), so every dS lands at its natural query row
         sdSt = cute.composition(sdS, cute.make_layout((n, (2, 2, 2, 2, m // 16), 2),
                                                       stride=(m, (1, 4, 8, 2, 16), m * n)))
-        tSsdS = thr_sdp.partition_C(sdSt)
+        tSsdS = self.ds_store_copy(tiled_mma_sdp).get_slice(tidx).partition_D(sdSt)  # bwd_ds_stsm
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((n, m)))
@@ -1132,7 +1134,6 @@ class AttnBwdSm90:
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             acc_S[i] = acc_S[i] * inv[(i // 2) % 2]
         self.convert_p(acc_S, tdKrdS)
-        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
         # bwd_dof_fold: dS' = dS·2^−edo went to dQ; its rows take 2^edo back (word 4 of the row's query)
         for rh in cutlass.range_constexpr(2):
@@ -1141,16 +1142,13 @@ class AttnBwdSm90:
         # bwd_dq_bf16: dS itself (no scale group) in BF16; K̂ carries 2^ek
         rdS = cute.make_rmem_tensor(shape_S, self.ds_dtype)
         rdS.store(acc_dP.load().to(self.ds_dtype))
-        dst = tSsdS[None, None, None, buf]
-        for i in cutlass.range_constexpr(cute.size(rdS)):
-            dst[i] = rdS[i]
+        self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(q_state)
-        q_state.advance()
+        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dV, dQ done (in order); dK runs on under the dQ epilogue
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
@@ -1168,6 +1166,9 @@ class AttnBwdSm90:
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
         # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
+        warpgroup.wait_group(0)  # dK has read the Q stage (its B) and written acc_dK
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
         bufs[0] = 1 - buf
         return q_state
 
@@ -1203,6 +1204,19 @@ class AttnBwdSm90:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    def ds_store_copy(self, tiled_mma_sdp: cute.TiledMma) -> cute.TiledCopy:
+        """bwd_ds_stsm: stmatrix.trans tiled over the Sᵀ accumulator (keys, queries) into the (keys, queries) view of sdS,
+        whose keys are contiguous: an 8×8 block's row of 8 keys is one 16-byte row of sdS."""
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                   self.ds_dtype)
+        return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
+
+    @cute.jit
+    def store_ds(self, tiled_mma_sdp: cute.TiledMma, rdS: cute.Tensor, dst: cute.Tensor):
+        """This thread's dS fragment (Sᵀ accumulator layout) to its buffer of sdS, 4 stmatrix.trans."""
+        tiled = self.ds_store_copy(tiled_mma_sdp)
+        cute.copy(tiled, tiled.retile(rdS), dst)
 
     @cute.jit
     def k_to_bf16(self, sK: cute.Tensor, sK16: cute.Tensor, mKs: cute.Tensor, k_tok0: Int32, hkv: Int32, T: Int32,

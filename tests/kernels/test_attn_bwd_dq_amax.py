@@ -205,10 +205,10 @@ def test_bwd_experiments_variants_names_and_support():
     # deterministic ones: a third Q stage no longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12
     # (dqw2 copies none of them: since round 32 bf16's and fp8_token's D = 128 tiles have two writers, as every D = 64
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
-    # round 32's dS by stmatrix: stsm on bf16's 4 and fp8_token's 2 non-deterministic tiles, stsmdqf on those 2, nostsm
-    # on fp8_token's 2 deterministic ones (dqfirst and nodqfirst now 2 + 2 of the 4 × 6)
+    # round 32's dS by stmatrix: stsm on bf16's 4 tiles; fp8_token's 4 take it and dK after dQ by default since round 35,
+    # so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 6 + 2 + 2 + 4 + 4 + 8
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -250,12 +250,11 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag in ("stsm", "stsmdqf", "nostsm", "nodqfirst"):
             p = rendered_params(render_variant(v))
             assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
-            assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))  # on by default for `_det`
+            assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))  # fp8_token D = 128: on by default
             if v.route == "bf16":  # every bf16 tile (stmatrix off there)
                 assert tag == "stsm"
-            else:  # fp8_token's: off (and dK before dQ) at D = 128 unless deterministic
-                assert v.route == "fp8_token"
-                assert bool(dict(v.params).get("deterministic")) is (tag in ("nostsm", "nodqfirst"))
+            else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
+                assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")
         elif tag in ("kvearly", "qahead"):  # the unit boundary (tests/kernels/test_attn_bwd_unit_boundary.py)
             p = rendered_params(render_variant(v))
             assert p.get("bwd_kv_early" if tag == "kvearly" else "bwd_q_ahead") is True

@@ -269,7 +269,7 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
             pv, pb = rendered_params(sv), rendered_params(sb)
             assert pv.get("bwd_head_section") != pb.get("bwd_head_section"), (tag, b.name)
         seen.add(tag)
-    assert {"nodqwarp", "noqperm", "r12", "dqw1", "s3", "pers", "hs0", "hs1", "stsm", "nostsm", "stsmdqf"} <= seen
+    assert {"nodqwarp", "noqperm", "r12", "dqw1", "s3", "pers", "hs0", "hs1", "stsm", "nostsm", "nodqfirst"} <= seen
 
 
 def test_two_writer_warps_where_one_was_the_limit():

@@ -1,12 +1,13 @@
 """dS to shared memory by stmatrix.trans in the backward (flag `bwd_ds_stsm`; templates/sm90/attn_bwd.py.j2;
 docs/kernels/attn_bwd.md "dS by stmatrix"). The default of the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk)
 at D = 64 and of their deterministic copies since round 32 (H100: 0.95–0.98× at D = 64, 0.91–0.99× with bwd_dq_first on
-the `_det` D = 128 copies; bitwise equal).
+the `_det` D = 128 copies; bitwise equal), and of fp8_token's D = 128 tile since round 35 (H100, with bwd_dq_first:
+0.93–0.98×, bitwise equal).
 
 CPU: on in exactly those default renders, where the tile's element-wise dS stores give way to the stmatrix copy (one call
 per tile copy, none of the old loop); renders for every 16-bit dS tile when asked (bf16, fp8_pv) and is refused on the
 8-bit ones; the bench tags turn it the other way from each base kernel's default. `-m compile`: the PTX holds 4
-`stmatrix…x4.trans` per tile copy and the default D = 128 tile none.
+`stmatrix…x4.trans` per tile copy and the tile without it none.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flamia_gen.spec import load_specs
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-ON = [v for v in DQ16 if v.param("head_dim") == 64 or dict(v.params).get("deterministic")]
+ON = [v for v in DQ16 if v.param("head_dim") == 64 or dict(v.params).get("deterministic") or v.route == "fp8_token"]
 ELEMENTWISE = "            dst[i] = rdS[i]\n"
 STSM_CALL = "self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])"
 
@@ -33,8 +34,9 @@ def _one_tile(src: str) -> str:
     return src[start:src.index("\n    @cute.jit", start)]
 
 
-def test_default_on_the_d64_and_deterministic_per_token_tiles():
-    assert len(ON) == 12  # two routes × (D = 64: causal or not × det or not; D = 128: det, causal or not)
+def test_default_on_the_d64_deterministic_and_fp8_token_tiles():
+    # two routes × (D = 64: causal or not × det or not; D = 128: det, causal or not) + fp8_token's D = 128 (causal or not)
+    assert len(ON) == 14
     for v in BWD:
         src = render_variant(v)
         on = v in ON
@@ -78,9 +80,10 @@ def test_ab_tags():
         assert all("bwd_ds_stsm" not in base(v) for v in tags["stsm"] + tags["stsmdqf"])
         assert all(base(v).get("bwd_ds_stsm") is True for v in tags["nostsm"])
         assert {v.route for v in tags["nostsm"]} == {"fp8_token", "fp8_token_bf16qk"}
-        # bf16 and fp8_pv (causal or not, det or not: 8), at D = 128 the non-deterministic per-token tiles too (4)
-        assert len(tags["stsm"]) == (12 if hd == 128 else 8) and len(tags["nostsm"]) == (4 if hd == 128 else 8)
-        assert len(tags["stsmdqf"]) == (4 if hd == 128 else 0)
+        # bf16 and fp8_pv (causal or not, det or not: 8), at D = 128 fp8_token_bf16qk's non-deterministic tiles too (2);
+        # nostsm on every per-token tile that has it: D = 64 all 8, D = 128 the deterministic 4 and fp8_token's other 2
+        assert len(tags["stsm"]) == (10 if hd == 128 else 8) and len(tags["nostsm"]) == (6 if hd == 128 else 8)
+        assert len(tags["stsmdqf"]) == (2 if hd == 128 else 0)
 
 
 @pytest.mark.compile
@@ -90,4 +93,4 @@ def test_compile_stmatrix_in_both_tile_copies(compile_sm90):
              and not dict(x.params).get("deterministic"))
     pat = r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16"
     assert len(re.findall(pat, compile_sm90(v, source=render_with_flags(v, bwd_ds_stsm=True)))) == 8
-    assert not re.findall(pat, compile_sm90(v))
+    assert not re.findall(pat, compile_sm90(v, source=render_with_flags(v, bwd_ds_stsm=False)))
