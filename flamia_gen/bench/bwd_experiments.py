@@ -39,9 +39,11 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
-# (the template's BWD_DQ_WRITERS_DEFAULT: D = 64, and at D = 128 the bf16 tile and fp8_token's since round 32)
+# (the template's BWD_DQ_WRITERS_DEFAULT: D = 64, and at D = 128 the bf16 tile and fp8_token's since round 32, fp8_pv's
+# (BF16 dS) and mxfp8_exact's (per-token Q rows) since round 36)
 _two_writers = lambda p: p.get("head_dim") == 64 or p.get("v_fmt") != "e4m3" or (  # noqa: E731
-    bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16"))
+    bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")) or (
+    p.get("ds_fmt") == "bf16") or bool(p.get("rows_q"))
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 

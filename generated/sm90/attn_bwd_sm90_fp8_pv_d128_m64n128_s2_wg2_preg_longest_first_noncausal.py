@@ -80,6 +80,7 @@ PARAMS = {
     "bwd_dynamic": True,
     "bwd_dq_warp": True,
     "bwd_row_pad": True,
+    "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "d9d0dad80f8fefc6",
     "flamia_version": "0.1.0",
@@ -143,7 +144,8 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
 DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
 DQ_FULL_BAR = 7  # named barriers of the dQ writer warp (1: consumers' dS / amax; 2: det; 3 … 6: square_32 blocks)
 DQ_EMPTY_BAR = 8
-DQ_WARP_THREADS = 128 * 2 + 32  # the consumer warpgroups and the writer warp
+DQ_WRITERS = 2  # writer warps (bwd_dq_writers): warps 1 … DQ_WRITERS of the producer warpgroup
+DQ_WARP_THREADS = 128 * 2 + 32 * DQ_WRITERS  # the consumer warpgroups and the writer warps
 
 
 @dsl_user_op
@@ -281,7 +283,7 @@ def _asm_volatile(ret, args, code, cons, loc, ip):
 
 UNIT_FULL_BAR = 9  # named barriers of the unit hand-over (bwd_dynamic): warp 0 → consumers and writer warp(s)
 UNIT_EMPTY_BAR = 10
-UNIT_THREADS = 32 + 128 * 2 + 32 * 1  # warp 0, the consumers, the writer warp(s)
+UNIT_THREADS = 32 + 128 * 2 + 32 * 2  # warp 0, the consumers, the writer warp(s)
 
 
 @dsl_user_op
@@ -590,8 +592,8 @@ class AttnBwdSm90:
                           tma_atom_dot, mdOt, mdOs, sdOt,
                           mLSE, mDelta, mCu, mWork, mUnitCtr, sUnit, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units)
-            if warp_idx == 1:
-                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units)
+            if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):
+                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s, tiled_mma_dk,
@@ -705,7 +707,7 @@ class AttnBwdSm90:
     # -----------------------------------------------------------------------------------
     @cute.jit
     def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
-                  num_units: Int32):
+                  num_units: Int32, wk: Int32):
         """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
         consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
         r + 32, …), waits until the copies have read sdQ and hands it back (DQ_EMPTY). The first DQ_EMPTY arrive
@@ -727,8 +729,8 @@ class AttnBwdSm90:
                         qrow0 = m_block * self.tile_m - delta  # as one_tile's: document-local row of tile row 0
                         q_tok0 = base + m_block * self.tile_m
                         cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
-                        for j in cutlass.range_constexpr(self.tile_m // 32):
-                            r = lane + 32 * j
+                        for j in cutlass.range_constexpr(self.tile_m // (32 * DQ_WRITERS)):
+                            r = lane + 32 * (wk + DQ_WRITERS * j)  # writer warp wk's rows
                             if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
                                 off = ((q_tok0 + r) * HQ + head) * self.head_dim
                                 bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)
