@@ -6,7 +6,8 @@ train: quantizer launches, attention kernels, torch ops around them), from torch
 The same adapters and input sets as `flamia-gen bench` (several, rotated, so L2 cannot hold them), so the
 rows add up to the bench's time, less the host gaps (wall vs GPU time). Kernel names are shortened;
 `--top` rows per call. The host time to issue a call (no profiler attached) is printed beside the GPU sum: where
-it is the larger, the call is host-bound (2026-12-03: fp8_token's op forward at 4×4096 was).
+it is the larger, the call is host-bound (2026-12-03: fp8_token's op forward at 4×4096 was). `--host-profile N`
+adds a cProfile of N calls: the host time by function (its own time, then cumulative).
 """
 
 from __future__ import annotations
@@ -60,6 +61,31 @@ def host_issue_times(fn, calls: int = 20) -> tuple[float, float]:
     return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls
 
 
+def host_profile(fn, calls: int = 50, top: int = 30) -> str:
+    """cProfile of `calls` calls issued back to back (the GPU work runs behind them), the `top` functions by their own
+    time and by cumulative time: where the op path's host time goes, function by function."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def _short(name: str, width: int = 70) -> str:
     name = name.replace("void ", "").split("(")[0]
     return name if len(name) <= width else name[: width - 1] + "…"
@@ -72,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="train", choices=MODES)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="also print a cProfile of CALLS calls (host time by function)")
     a = ap.parse_args(argv)
     from .peers import resolve_impls
     from .workloads import get_workload, make_inputs
@@ -90,6 +118,8 @@ def main(argv=None) -> int:
               f"{host:.3f} ms/call, wall {wall_np:.3f} ms/call (with it: wall {wall:.3f})")
         for name, us, n in rows[: a.top]:
             print(f"  {us / 1e3:8.3f} ms  {100 * us / total:5.1f} %  x{n:<3d} {_short(name)}")
+        if a.host_profile:
+            print(host_profile(fn, a.host_profile))
         del fn
     return 0
 
