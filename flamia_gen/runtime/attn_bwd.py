@@ -222,13 +222,15 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
     do_code = _E5M2_CODE_DTYPES if do_e5m2 else code
     _check_tensor(q, "q", qk_code, (None, None, None), dev)
     T, HQ, D = q.shape
-    _need(D in SUPPORTED_HEAD_DIMS, "q", f"unsupported head dim for the sm90 backward: D={D} "
-          f"(supported: {SUPPORTED_HEAD_DIMS})")
-    if head_dim is not None:
-        _need(D == head_dim, "q", f"head dim {D} != {head_dim}, the head dim this kernel was compiled for")
+    # (messages as f-strings only where a check failed: the op's backward runs this on every call)
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: unsupported head dim for the sm90 backward: D={D} (supported: {SUPPORTED_HEAD_DIMS})")
+    if head_dim is not None and D != head_dim:
+        raise ValueError(f"q: head dim {D} != {head_dim}, the head dim this kernel was compiled for")
     _check_tensor(k, "k", qk_code, (T, None, D), dev)
     HKV = k.shape[1]
-    _need(HKV > 0 and HQ % HKV == 0, "k", f"HQ={HQ} is not a multiple of HKV={HKV}")
+    if not (HKV > 0 and HQ % HKV == 0):
+        raise ValueError(f"k: HQ={HQ} is not a multiple of HKV={HKV}")
     _check_tensor(v, "v", code, (T, HKV, D), dev)
     _check_tensor(do, "do", do_code, (T, HQ, D), dev)
     if fp8:
@@ -240,10 +242,11 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
                       "or scales")
         for t, name, h in qk + ((do_t, "do_t", HQ),):
             _check_tensor(t, name, do_code if name == "do_t" else code, (h, D, None), dev)
-            _need(t.shape[2] >= T and t.shape[2] % 16 == 0, name,
-                  f"T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
+            if not (t.shape[2] >= T and t.shape[2] % 16 == 0):
+                raise ValueError(f"{name}: T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
             tpad = t.shape[2] if tpad is None else tpad
-            _need(t.shape[2] == tpad, name, f"T_PAD={t.shape[2]} differs from q_t's {tpad}")
+            if t.shape[2] != tpad:
+                raise ValueError(f"{name}: T_PAD={t.shape[2]} differs from q_t's {tpad}")
         qks = () if ds16 else ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV))
         for t, name, h in qks + ((v_scale, "v_scale", HKV), (do_scale, "do_scale", HQ)):
             _check_tensor(t, name, (torch.uint8,), (T, h), dev)
