@@ -123,6 +123,15 @@ EXPERIMENTS: dict[str, dict] = {
     "stsmdqf": dict(over={"bwd_ds_stsm": True, "bwd_dq_first": True},
                     when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p) and not _ds_stsm_default(p),
                     note="stmatrix dS store and dK issued after dQ (bwd_dq_first)"),
+    # ... and (round 36) both with two dQ writer warps where the default has one (fp8_token_bf16qk's D = 128 tile): on
+    # fp8_token's tile the pair gained only once the second writer stopped pacing the tile (round 35)
+    "w2stsm": dict(over={"bwd_dq_writers": 2, "bwd_ds_stsm": True},
+                   when=lambda p: _dq_writer(p) and not _two_writers(p) and bwd_dq_bf16(p) and not _ds_stsm_default(p),
+                   note="two dQ writer warps and the stmatrix dS store"),
+    "w2stsmdqf": dict(over={"bwd_dq_writers": 2, "bwd_ds_stsm": True, "bwd_dq_first": True},
+                      when=lambda p: (_dq_writer(p) and not _two_writers(p) and bwd_dq_bf16(p)
+                                      and not _dq_first_default(p) and not _ds_stsm_default(p)),
+                      note="two dQ writer warps, the stmatrix dS store and dK issued after dQ"),
     # ... and the kernels before it where it is on
     "nostsm": dict(over={"bwd_ds_stsm": False}, when=_ds_stsm_default,
                    note="dS to sdS by 32 two-byte stores a thread (the kernel before round 32)"),
