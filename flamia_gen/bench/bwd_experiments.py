@@ -40,10 +40,9 @@ _fp8_token_tile = lambda p: (_qk8(p) and all(p.get(f) == "e4m3" for f in ("q_fmt
 # variants with the dQ writer warp (templates/sm90/attn_bwd.py.j2: dq_warp), and those whose default has two of them
 _dq_writer = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 # (the template's BWD_DQ_WRITERS_DEFAULT: D = 64, and at D = 128 the bf16 tile and fp8_token's since round 32, fp8_pv's
-# (BF16 dS) and mxfp8_exact's (per-token Q rows) since round 36)
+# (BF16 dS), mxfp8_exact's (per-token Q rows) and fp8_token_bf16qk's since round 36)
 _two_writers = lambda p: p.get("head_dim") == 64 or p.get("v_fmt") != "e4m3" or (  # noqa: E731
-    bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")) or (
-    p.get("ds_fmt") == "bf16") or bool(p.get("rows_q"))
+    bwd_dq_bf16(p) and p.get("ds_gran") == "token") or (p.get("ds_fmt") == "bf16") or bool(p.get("rows_q"))
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
@@ -53,16 +52,17 @@ _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p
 # the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
 _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
 
-# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128
-# deterministic, and fp8_token's D = 128 tile (E4M3 scores: not scores_bf16) since round 35
+# the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128 all
+# (deterministic since round 32, fp8_token's since round 35, fp8_token_bf16qk's since round 36)
 _dq_first_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
-    (p.get("head_dim") == 64) is not bool(p.get("deterministic"))
-    or (p.get("head_dim") == 128 and not p.get("scores_bf16")))
+    p.get("head_dim") == 128 or not p.get("deterministic"))
 
-# the template's BWD_DS_STSM_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64, their deterministic copies, and
-# fp8_token's D = 128 tile since round 35
-_ds_stsm_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
-    p.get("head_dim") == 64 or bool(p.get("deterministic")) or not p.get("scores_bf16"))
+# the template's BWD_DS_STSM_DEFAULT: the per-token dQ-on-BF16 tiles (at D = 64 and deterministic since round 32,
+# fp8_token's D = 128 tile since round 35, fp8_token_bf16qk's since round 36) and fp8_pv's non-deterministic D = 128
+# tile (BF16 dS; round 36)
+_ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
+    p.get("v_fmt") == "e4m3" and p.get("ds_fmt") == "bf16" and p.get("head_dim") == 128
+    and not p.get("deterministic"))
 
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
 _ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731
@@ -123,8 +123,9 @@ EXPERIMENTS: dict[str, dict] = {
     "stsmdqf": dict(over={"bwd_ds_stsm": True, "bwd_dq_first": True},
                     when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p) and not _ds_stsm_default(p),
                     note="stmatrix dS store and dK issued after dQ (bwd_dq_first)"),
-    # ... and (round 36) both with two dQ writer warps where the default has one (fp8_token_bf16qk's D = 128 tile): on
-    # fp8_token's tile the pair gained only once the second writer stopped pacing the tile (round 35)
+    # ... and (round 36) both with two dQ writer warps where the default has one (fp8_token_bf16qk's D = 128 tile, then):
+    # on fp8_token's tile the pair gained only once the second writer stopped pacing the tile (round 35). Adopted in
+    # round 36, so no shipped tile takes these (nor `stsmdqf`) any more; `nostsm`, `nodqfirst`, `dqw1` undo them.
     "w2stsm": dict(over={"bwd_dq_writers": 2, "bwd_ds_stsm": True},
                    when=lambda p: _dq_writer(p) and not _two_writers(p) and bwd_dq_bf16(p) and not _ds_stsm_default(p),
                    note="two dQ writer warps and the stmatrix dS store"),

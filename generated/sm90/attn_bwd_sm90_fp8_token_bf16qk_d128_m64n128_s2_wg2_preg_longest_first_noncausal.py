@@ -80,7 +80,10 @@ PARAMS = {
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
     "bwd_row_swz": True,
+    "bwd_ds_stsm": True,
+    "bwd_dq_first": True,
     "bwd_dof_fold": True,
+    "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "37e0ad7ae73797e7",
     "flamia_version": "0.1.0",
@@ -149,7 +152,8 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None):
 DQ_LD = HEAD_DIM + 8  # fp32 words per row of the dQ staging tile (≡ 8 mod 32: conflict-free 8-byte stores)
 DQ_FULL_BAR = 7  # named barriers of the dQ writer warp (1: consumers' dS / amax; 2: det; 3 … 6: square_32 blocks)
 DQ_EMPTY_BAR = 8
-DQ_WARP_THREADS = 128 * 2 + 32  # the consumer warpgroups and the writer warp
+DQ_WRITERS = 2  # writer warps (bwd_dq_writers): warps 1 … DQ_WRITERS of the producer warpgroup
+DQ_WARP_THREADS = 128 * 2 + 32 * DQ_WRITERS  # the consumer warpgroups and the writer warps
 
 
 @dsl_user_op
@@ -310,7 +314,7 @@ def _asm_volatile(ret, args, code, cons, loc, ip):
 
 UNIT_FULL_BAR = 9  # named barriers of the unit hand-over (bwd_dynamic): warp 0 → consumers and writer warp(s)
 UNIT_EMPTY_BAR = 10
-UNIT_THREADS = 32 + 128 * 2 + 32 * 1  # warp 0, the consumers, the writer warp(s)
+UNIT_THREADS = 32 + 128 * 2 + 32 * 2  # warp 0, the consumers, the writer warp(s)
 
 
 @dsl_user_op
@@ -649,8 +653,8 @@ class AttnBwdSm90:
                           tma_atom_kt, mKt, tma_atom_qt, mQt, tma_atom_dot, mdOt, mQs, mdOs, sKt, sQt, sdOt,
                           mLSE, mDelta, mCu, mWork, mUnitCtr, sUnit, sK, sV, sQ, sdO, sRow, pipe_kv, pipe_q, scale_log2, HKV,
                           num_units)
-            if warp_idx == 1:
-                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units)
+            if (warp_idx >= 1) & (warp_idx <= DQ_WRITERS):
+                self.dq_writer(mCu, mWork, sUnit, mdQacc, sdQ, HKV, num_units, warp_idx - 1)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.mma(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tiled_mma_s,
@@ -783,7 +787,7 @@ class AttnBwdSm90:
     # -----------------------------------------------------------------------------------
     @cute.jit
     def dq_writer(self, mCu: cute.Tensor, mWork: cute.Tensor, sUnit: cute.Tensor, mdQacc: cute.Tensor, sdQ: cute.Tensor, HKV: Int32,
-                  num_units: Int32):
+                  num_units: Int32, wk: Int32):
         """Visits the units and query tiles in the consumers' order (the producer's loop): per tile, waits until the
         consumers have written sdQ (DQ_FULL), issues one bulk reduce-add per row of the document (lane r: rows r,
         r + 32, …), waits until the copies have read sdQ and hands it back (DQ_EMPTY). The first DQ_EMPTY arrive
@@ -805,8 +809,8 @@ class AttnBwdSm90:
                         qrow0 = m_block * self.tile_m - delta  # as one_tile's: document-local row of tile row 0
                         q_tok0 = base + m_block * self.tile_m
                         cute.arch.barrier(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
-                        for j in cutlass.range_constexpr(self.tile_m // 32):
-                            r = lane + 32 * j
+                        for j in cutlass.range_constexpr(self.tile_m // (32 * DQ_WRITERS)):
+                            r = lane + 32 * (wk + DQ_WRITERS * j)  # writer warp wk's rows
                             if (qrow0 + r >= 0) & (qrow0 + r < doc_len):
                                 off = ((q_tok0 + r) * HQ + head) * self.head_dim
                                 bulk_reduce_add_f32(mdQacc.iterator + off, sdQ.iterator + r * DQ_LD, self.head_dim * 4)
@@ -862,7 +866,7 @@ class AttnBwdSm90:
         tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sKb))
         # dS written from the Sᵀ accumulator layout into (keys, queries, buffer) of sdS
         sdSt = cute.composition(sdS, cute.make_ordered_layout((n, m, 2), order=(1, 0, 2)))
-        tSsdS = thr_sdp.partition_C(sdSt)
+        tSsdS = self.ds_store_copy(tiled_mma_sdp).get_slice(tidx).partition_D(sdSt)  # bwd_ds_stsm
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((n, m)))
@@ -1091,7 +1095,6 @@ class AttnBwdSm90:
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             acc_S[i] = acc_S[i] * inv[(i // 2) % 2]
         self.convert_p(acc_S, tdKrdS)
-        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
         # bwd_dof_fold: dS' = dS·2^−edo went to dQ; its rows take 2^edo back (word 4 of the row's query)
         for rh in cutlass.range_constexpr(2):
@@ -1100,16 +1103,13 @@ class AttnBwdSm90:
         # bwd_dq_bf16: dS itself (no scale group) in BF16; K̂ carries 2^ek
         rdS = cute.make_rmem_tensor(shape_S, self.ds_dtype)
         rdS.store(acc_dP.load().to(self.ds_dtype))
-        dst = tSsdS[None, None, None, buf]
-        for i in cutlass.range_constexpr(cute.size(rdS)):
-            dst[i] = rdS[i]
+        self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(q_state)
-        q_state.advance()
+        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dV, dQ done (in order); dK runs on under the dQ epilogue
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # dQ writer warp: sdQ is free once the writer's copies of the previous tile have read it
@@ -1127,6 +1127,9 @@ class AttnBwdSm90:
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
         # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BAR, number_of_threads=DQ_WARP_THREADS)
+        warpgroup.wait_group(0)  # dK has read the Q stage (its B) and written acc_dK
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
         bufs[0] = 1 - buf
         return q_state
 
@@ -1162,6 +1165,19 @@ class AttnBwdSm90:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    def ds_store_copy(self, tiled_mma_sdp: cute.TiledMma) -> cute.TiledCopy:
+        """bwd_ds_stsm: stmatrix.trans tiled over the Sᵀ accumulator (keys, queries) into the (keys, queries) view of sdS,
+        whose keys are contiguous: an 8×8 block's row of 8 keys is one 16-byte row of sdS."""
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                   self.ds_dtype)
+        return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
+
+    @cute.jit
+    def store_ds(self, tiled_mma_sdp: cute.TiledMma, rdS: cute.Tensor, dst: cute.Tensor):
+        """This thread's dS fragment (Sᵀ accumulator layout) to its buffer of sdS, 4 stmatrix.trans."""
+        tiled = self.ds_store_copy(tiled_mma_sdp)
+        cute.copy(tiled, tiled.retile(rdS), dst)
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):

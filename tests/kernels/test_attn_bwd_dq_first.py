@@ -1,6 +1,7 @@
 """dK issued after dQ in the backward's dQ-on-BF16 tiles (flag `bwd_dq_first`; the default of fp8_token's and
 fp8_token_bf16qk's non-deterministic D = 64 tiles since round 30, of their deterministic D = 128 tiles since round 32 and of
-fp8_token's non-deterministic D = 128 tile (with bwd_ds_stsm) since round 35;
+fp8_token's non-deterministic D = 128 tile (with bwd_ds_stsm) since round 35, of fp8_token_bf16qk's (with two writers
+and bwd_ds_stsm) since round 36;
 templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dK after dQ").
 
 CPU: on in exactly those default renders; where the flag renders, one_tile issues dK = dSᵀ·Q right after dQ = dS·K, waits with
@@ -30,12 +31,11 @@ def _one_tile(src: str) -> str:
     return src[start:src.index("\n    @cute.jit", start)]
 
 
-ON = [v for v in DQ16 if (v.param("head_dim") == 64) is not bool(dict(v.params).get("deterministic"))
-      or (v.route == "fp8_token" and v.param("head_dim") == 128)]
+ON = [v for v in DQ16 if v.param("head_dim") == 128 or not dict(v.params).get("deterministic")]
 
 
-def test_default_only_on_the_d64_the_deterministic_d128_and_fp8_token_tiles():
-    assert len(ON) == 10  # two routes × causal or not × (D = 64, or D = 128 deterministic) + fp8_token D = 128 (2)
+def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
+    assert len(ON) == 12  # two routes × causal or not × (D = 128 det or not, D = 64 not deterministic)
     for v in BWD:
         assert (rendered_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON), v.name
 
@@ -74,8 +74,8 @@ def test_refused_without_dq_on_bf16(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    # D = 128: the deterministic tiles and fp8_token's have it (fp8_token_bf16qk's 2 lack it); D = 64: the det ones lack it
-    for hd, n_on, n_off in ((128, 2, 6), (64, 4, 4)):
+    # D = 128: every per-token tile has it; D = 64: the det ones lack it
+    for hd, n_on, n_off in ((128, 0, 8), (64, 4, 4)):
         bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"), head_dim=hd)
         on = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqfirst"]
         off = [v for t, v in experiment_variants(("nodqfirst",), base_variants=bwd, experiments=EXPERIMENTS)

@@ -274,9 +274,9 @@ def test_every_backward_experiment_changes_the_kernel_it_copies():
 
 def test_two_writer_warps_where_one_was_the_limit():
     """bwd_dq_writers: 2 with the writer warp at D = 64 (every route that has it) and, since round 32, at D = 128 on the
-    bf16 tile and fp8_token's, since round 36 on fp8_pv's and mxfp8_exact's; else 1 (no key rendered: fp8_token_bf16qk,
-    mxfp8, nvfp4_mixed); a count other than 1 or 2 refuses to render."""
-    two_at_128 = ("bf16", "fp8_token", "fp8_pv", "mxfp8_exact")
+    bf16 tile and fp8_token's, since round 36 on fp8_pv's, mxfp8_exact's and fp8_token_bf16qk's; else 1 (no key
+    rendered: mxfp8, nvfp4_mixed); a count other than 1 or 2 refuses to render."""
+    two_at_128 = ("bf16", "fp8_token", "fp8_pv", "mxfp8_exact", "fp8_token_bf16qk")
     for v in BWD:
         p = rendered_params(render_variant(v))
         want = 2 if (p.get("bwd_dq_warp") and (p["head_dim"] == 64 or v.route in two_at_128)) else None

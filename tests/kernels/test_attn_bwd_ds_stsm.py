@@ -1,8 +1,9 @@
 """dS to shared memory by stmatrix.trans in the backward (flag `bwd_ds_stsm`; templates/sm90/attn_bwd.py.j2;
 docs/kernels/attn_bwd.md "dS by stmatrix"). The default of the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk)
 at D = 64 and of their deterministic copies since round 32 (H100: 0.95–0.98× at D = 64, 0.91–0.99× with bwd_dq_first on
-the `_det` D = 128 copies; bitwise equal), and of fp8_token's D = 128 tile since round 35 (H100, with bwd_dq_first:
-0.93–0.98×, bitwise equal).
+the `_det` D = 128 copies; bitwise equal), of fp8_token's D = 128 tile since round 35 (H100, with bwd_dq_first:
+0.93–0.98×, bitwise equal), and since round 36 of fp8_token_bf16qk's D = 128 tile (with two writers and bwd_dq_first:
+0.93–0.99×) and fp8_pv's non-deterministic D = 128 tile (0.965–0.989×).
 
 CPU: on in exactly those default renders, where the tile's element-wise dS stores give way to the stmatrix copy (one call
 per tile copy, none of the old loop); renders for every 16-bit dS tile when asked (bf16, fp8_pv) and is refused on the
@@ -24,7 +25,8 @@ from flamia_gen.spec import load_specs
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-ON = [v for v in DQ16 if v.param("head_dim") == 64 or dict(v.params).get("deterministic") or v.route == "fp8_token"]
+ON = DQ16 + [v for v in BWD if v.route == "fp8_pv" and v.param("head_dim") == 128
+              and not dict(v.params).get("deterministic")]
 ELEMENTWISE = "            dst[i] = rdS[i]\n"
 STSM_CALL = "self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])"
 
@@ -34,9 +36,9 @@ def _one_tile(src: str) -> str:
     return src[start:src.index("\n    @cute.jit", start)]
 
 
-def test_default_on_the_d64_deterministic_and_fp8_token_tiles():
-    # two routes × (D = 64: causal or not × det or not; D = 128: det, causal or not) + fp8_token's D = 128 (causal or not)
-    assert len(ON) == 14
+def test_default_on_the_per_token_dq16_tiles_and_fp8_pv_d128():
+    # two routes × D × causal or not × det or not + fp8_pv's D = 128 non-deterministic tile (causal or not)
+    assert len(ON) == 18
     for v in BWD:
         src = render_variant(v)
         on = v in ON
@@ -79,11 +81,12 @@ def test_ab_tags():
             render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x"))))
         assert all("bwd_ds_stsm" not in base(v) for v in tags["stsm"] + tags["stsmdqf"])
         assert all(base(v).get("bwd_ds_stsm") is True for v in tags["nostsm"])
-        assert {v.route for v in tags["nostsm"]} == {"fp8_token", "fp8_token_bf16qk"}
-        # bf16 and fp8_pv (causal or not, det or not: 8), at D = 128 fp8_token_bf16qk's non-deterministic tiles too (2);
-        # nostsm on every per-token tile that has it: D = 64 all 8, D = 128 the deterministic 4 and fp8_token's other 2
-        assert len(tags["stsm"]) == (10 if hd == 128 else 8) and len(tags["nostsm"]) == (6 if hd == 128 else 8)
-        assert len(tags["stsmdqf"]) == (2 if hd == 128 else 0)
+        assert {v.route for v in tags["nostsm"]} == (
+            {"fp8_token", "fp8_token_bf16qk"} | ({"fp8_pv"} if hd == 128 else set()))
+        # stsm: bf16 (causal or not, det or not: 4) and fp8_pv's tiles without it (D = 128: the deterministic 2, D = 64:
+        # all 4); nostsm on every per-token tile (8) and, at D = 128, fp8_pv's non-deterministic 2
+        assert len(tags["stsm"]) == (6 if hd == 128 else 8) and len(tags["nostsm"]) == (10 if hd == 128 else 8)
+        assert len(tags["stsmdqf"]) == 0  # every per-token tile has both since round 36
 
 
 @pytest.mark.compile

@@ -14,7 +14,7 @@ import torch
 
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes
 from flamia_gen.plan.variants import expand_family
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.runtime.attention import saves_codes
 from flamia_gen.runtime.attn_bwd import check_bwd_inputs, is_ds16_spec, is_scores_bf16_spec, run_attn_bwd
 from flamia_gen.spec import Arch, load_specs
@@ -140,7 +140,9 @@ def test_fp8_pv_render(v):
     assert "atomic_max" not in src and "ds_exponent(" not in src.split("class AttnBwdSm90")[1]
     assert "self.gemm(tiled_mma_dk, acc_dK, tdKrdS, tdKrQ" in src and "self.convert_bf16(acc_dP, tdKrdS)" in src
     body = src[src.index("    def one_tile("):]
-    assert body.index("dst[i] = rdS[i]") < body.index("self.gemm(tiled_mma_dk, ")
+    # the element-wise stores, or (bwd_ds_stsm: the non-deterministic D = 128 tile's default since round 36) stmatrix
+    store = "self.store_ds(" if rendered_params(src).get("bwd_ds_stsm") else "dst[i] = rdS[i]"
+    assert body.index(store) < body.index("self.gemm(tiled_mma_dk, ")
     assert "fk[rh] = softmax_scale  # dK from BF16 dS" in src
     # the dV side is fp8_token's: P̂ fold, per-key V factor, the dV reference per key row
     assert "self.dv_scale_rows(acc_S, acc_dV" in src and "self.gemm(tiled_mma_dkv, acc_dV, tdVrP" in src
