@@ -123,16 +123,9 @@ EXPERIMENTS: dict[str, dict] = {
     "stsmdqf": dict(over={"bwd_ds_stsm": True, "bwd_dq_first": True},
                     when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p) and not _ds_stsm_default(p),
                     note="stmatrix dS store and dK issued after dQ (bwd_dq_first)"),
-    # ... and (round 36) both with two dQ writer warps where the default has one (fp8_token_bf16qk's D = 128 tile, then):
-    # on fp8_token's tile the pair gained only once the second writer stopped pacing the tile (round 35). Adopted in
-    # round 36, so no shipped tile takes these (nor `stsmdqf`) any more; `nostsm`, `nodqfirst`, `dqw1` undo them.
-    "w2stsm": dict(over={"bwd_dq_writers": 2, "bwd_ds_stsm": True},
-                   when=lambda p: _dq_writer(p) and not _two_writers(p) and bwd_dq_bf16(p) and not _ds_stsm_default(p),
-                   note="two dQ writer warps and the stmatrix dS store"),
-    "w2stsmdqf": dict(over={"bwd_dq_writers": 2, "bwd_ds_stsm": True, "bwd_dq_first": True},
-                      when=lambda p: (_dq_writer(p) and not _two_writers(p) and bwd_dq_bf16(p)
-                                      and not _dq_first_default(p) and not _ds_stsm_default(p)),
-                      note="two dQ writer warps, the stmatrix dS store and dK issued after dQ"),
+    # (round 36's `w2stsm` / `w2stsmdqf`, the pair with two writers on fp8_token_bf16qk's D = 128 tile, became its
+    # default and were removed: no shipped tile took them any more, nor `stsmdqf` now; `nostsm`, `nodqfirst`, `dqw1`
+    # undo the defaults)
     # ... and the kernels before it where it is on
     "nostsm": dict(over={"bwd_ds_stsm": False}, when=_ds_stsm_default,
                    note="dS to sdS by 32 two-byte stores a thread (the kernel before round 32)"),
