@@ -24,6 +24,10 @@ The forward saves o, lse and either its BF16 inputs or, where `saves_codes`, the
 instead (≈ 5 bytes per element of q, k, v against their 6 when HQ = HKV; the backward then skips three quantizer
 launches).
 
+`attention` itself, on plain CUDA tensors outside torch.compile and any dispatch mode, runs the two ops'
+implementations under an autograd.Function (`_EagerAttention`, same launches, same bits) and skips the ops'
+dispatch, a host cost of its own (docs/ops.md "Host time"); tracing, fake tensors and subclasses get the ops.
+
 No host synchronisation inside either op (the dispatch profile comes from T, cu_seqlens.numel()
 and max_seqlen; work lists are built on the device), so both are CUDA-graph capturable; the fake
 (meta) implementations make them traceable by torch.compile(fullgraph=True) and make_fx.
@@ -34,6 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
@@ -135,8 +140,7 @@ NUM_SAVED = sum(len(SAVED_FIELDS[op]) for op in SAVED_OPERANDS)  # attention_fwd
 FwdOutputs = tuple[(torch.Tensor,) * (2 + NUM_SAVED)]  # o, lse, *codes (the schema needs a fixed arity)
 
 
-@torch.library.custom_op("flamia::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                   causal: bool, route: str, softmax_scale: Optional[float],
                   deterministic: bool = False, forward_only: bool = False) -> FwdOutputs:
     """(o BF16 (T, HQ, D), lse fp32 (HQ, T), *codes) from the bundle's quantizers + forward kernel.
@@ -171,6 +175,9 @@ def _saved_shapes(q, k) -> list[tuple]:
 
 def _saved_names() -> list[str]:
     return [f"{op} {f}" for op in SAVED_OPERANDS for f in SAVED_FIELDS[op]]
+
+
+attention_fwd = torch.library.custom_op("flamia::attention_fwd", mutates_args=())(_attention_fwd_impl)
 
 
 @attention_fwd.register_fake
@@ -424,8 +431,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, **diag, **extra)
 
 
-@torch.library.custom_op("flamia::attention_bwd", mutates_args=())
-def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _attention_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
                   softmax_scale: Optional[float], codes: list[torch.Tensor],
                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -441,6 +447,9 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return _run_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
                          lse.contiguous(), cu_seqlens.contiguous(), int(max_seqlen), causal, route, softmax_scale,
                          deterministic, codes=list(codes) if codes else None)
+
+
+attention_bwd = torch.library.custom_op("flamia::attention_bwd", mutates_args=())(_attention_bwd_impl)
 
 
 def _check_codes(codes, q, k) -> None:
@@ -486,6 +495,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_o, grad_lse, *grad_codes):
     # lse and the codes are non-differentiable (marked in setup_context): their grads are ignored
+    return _backward_with(torch.ops.flamia.attention_bwd, ctx, grad_o)
+
+
+def _backward_with(bwd, ctx, grad_o):
+    """The backward of attention_fwd's autograd: `bwd` is the attention_bwd op or (eager path) its implementation."""
     if ctx.kept:
         o, lse, cu_seqlens, *codes = ctx.saved_tensors
         q, k, v = codes[0], codes[3], codes[6]  # Q, K, V codes: stand-ins of q, k, v's shapes
@@ -494,13 +508,46 @@ def _backward(ctx, grad_o, grad_lse, *grad_codes):
         codes = []
     if grad_o is None:
         return (None,) * 10
-    dq, dk, dv = torch.ops.flamia.attention_bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen,
-                                                ctx.causal, ctx.route, ctx.softmax_scale, codes,
-                                                ctx.deterministic)
+    dq, dk, dv = bwd(grad_o.contiguous(), q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.route,
+                     ctx.softmax_scale, codes, ctx.deterministic)
     return (dq, dk, dv) + (None,) * 7
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- the eager path
+
+# Devices whose plain tensors take the eager path (the kernels' device; tests add "cpu" with stand-in kernels).
+EAGER_DEVICES = frozenset({"cuda"})
+
+
+def eager_path_ok(*tensors: torch.Tensor) -> bool:
+    """True when `attention` may run the two ops' implementations under `_EagerAttention` instead of dispatching
+    the torch.library ops: plain tensors on a kernel device, no compiler tracing, no Python dispatch or
+    torch-function mode (fake tensors, make_fx, FlopCounterMode), no functorch transform. Same implementations, so
+    the same launches and bits; what the path saves is the ops' dispatch (≈ 0.16 ms of host time per op on an H100
+    host, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.device.type not in EAGER_DEVICES:
+            return False
+    return (_get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attention_fwd's implementation with the op's own setup_context and backward, as a plain autograd.Function."""
+
+    forward = staticmethod(_attention_fwd_impl)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse, *grad_codes):
+        # a backward traced or run under a mode (compiled autograd, a dispatch mode around .backward()) takes the op
+        bwd = _attention_bwd_impl if grad_o is None or eager_path_ok(grad_o) else torch.ops.flamia.attention_bwd
+        return _backward_with(bwd, ctx, grad_o)
 
 
 # ---------------------------------------------------------------- the public function
@@ -527,5 +574,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         softmax_scale = float(softmax_scale)
     # no gradient can be asked for (no_grad / inference, or no input requires one): keep no codes for a backward
     forward_only = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    return torch.ops.flamia.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                          max_seqlen, causal, route, softmax_scale, deterministic, forward_only)[0]
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(), max_seqlen, causal, route,
+            softmax_scale, deterministic, forward_only)
+    if eager_path_ok(q, k, v, cu_seqlens):
+        # no gradient to come: nothing for autograd to record
+        return _attention_fwd_impl(*args)[0] if forward_only else _EagerAttention.apply(*args)[0]
+    return torch.ops.flamia.attention_fwd(*args)[0]

@@ -164,6 +164,61 @@ def test_torch_compile_eager_backend_graph_holds_the_op():
     assert len(seen) == 1 and "torch.ops.flamia.attention_fwd" in seen[0].code
 
 
+def test_eager_path_only_for_plain_tensors_outside_tracing_and_modes(monkeypatch):
+    """`eager_path_ok`: plain tensors of an eager device, nothing tracing; fake tensors, meta tensors, dispatch and
+    torch-function modes, vmap and torch.compile take the ops (whose fake implementations trace)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, cu = _qkv()
+    assert not ops_mod.eager_path_ok(q, k, v, cu)  # CPU is not a kernel device
+    monkeypatch.setattr(ops_mod, "EAGER_DEVICES", frozenset({"cpu", "meta"}))
+    assert ops_mod.eager_path_ok(q, k, v, cu)
+    assert ops_mod.eager_path_ok(*_meta())  # (meta made an eager device here: only the modes below refuse)
+    with Dispatch():
+        assert not ops_mod.eager_path_ok(q, k, v, cu)
+    with Function():
+        assert not ops_mod.eager_path_ok(q, k, v, cu)
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        assert not ops_mod.eager_path_ok(fq)
+    assert not ops_mod.eager_path_ok(q.as_subclass(torch.nn.Parameter))
+    seen = []
+    torch.vmap(lambda x: seen.append(ops_mod.eager_path_ok(x)) or x)(q)
+    assert seen == [False]
+
+    # torch.compile: the graph holds the op even where the eager path would run in eager mode
+    graphs = []
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, cu: flamia_gen.attention(q, k, v, cu, 64, route="bf16"), fullgraph=True,
+                      backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    o = f(*_meta(grad=True))
+    assert o.shape == (T, HQ, D) and "torch.ops.flamia.attention_fwd" in graphs[0].code
+
+
+def test_eager_forward_only_records_no_autograd_node(monkeypatch, tmp_path):
+    """On the eager path a call no gradient can follow runs the forward's implementation alone (no autograd node);
+    one a backward may follow gets the eager autograd node, with the codes kept as the op keeps them."""
+    monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(_fake_bundle(tmp_path)))
+    monkeypatch.setattr(ops_mod, "EAGER_DEVICES", frozenset({"cpu"}))
+    _reference_fwd(monkeypatch)
+    q, k, v, cu = _qkv()
+    o = flamia_gen.attention(q, k, v, cu, 34)
+    assert o.grad_fn is None and torch.equal(o, q)
+    qg, kg, vg, _ = _qkv(grad=True)
+    o = flamia_gen.attention(qg, kg, vg, cu, 34)
+    assert type(o.grad_fn).__name__ == "_EagerAttentionBackward" and torch.equal(o, qg.detach())
+
+
 # ---------------------------------------------------------------- validation
 
 
@@ -313,11 +368,13 @@ def _generated_quant_entry(name, uses):
     return _entry(name, "quant", uses, rendered_literal(src, "PARAMS"), rendered_literal(src, "ARGS"))
 
 
+@pytest.mark.parametrize("path", ["ops", "eager"])
 @pytest.mark.parametrize("route", ["fp8_token", "bf16"])
-def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
+def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route, path):
     """The whole backward host path on CPU, with Python stand-ins for the .so kernels: recomputed
     Q/K/V quantization, the with_delta dO launch, the attn_bwd call (argument names, dtypes and
-    shapes checked by run_attn_bwd's own validation), dq = dq_accum → BF16, autograd wiring."""
+    shapes checked by run_attn_bwd's own validation), dq = dq_accum → BF16, autograd wiring — through the
+    torch.library ops and through the eager path (CPU made an eager device), with the same launches and results."""
     from flamia_gen.runtime.attn_bwd import bwd_schedule
     from flamia_gen.runtime.bundle import Bundle
 
@@ -354,6 +411,8 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
     monkeypatch.setattr(Bundle, "get", lambda self, name: stand_in(name))
     monkeypatch.setattr(ops_mod, "_require_cuda", lambda q: None)
     monkeypatch.setenv("FLAMIA_GEN_BUNDLE", str(d))
+    if path == "eager":
+        monkeypatch.setattr(ops_mod, "EAGER_DEVICES", frozenset({"cpu"}))
     _reference_fwd(monkeypatch)
     t = 70  # T_pad = 80: the transposed copies are padded
     q, k, v, _ = _qkv(T=t, grad=True)
@@ -364,6 +423,8 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route):
             lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
         warnings.simplefilter("ignore", RuntimeWarning)
         o = flamia_gen.attention(q, k, v, cu, 40, route=route)
+        # which path ran: the eager path's autograd node, or the one torch.library generates for the op
+        assert (type(o.grad_fn).__name__ == "_EagerAttentionBackward") == (path == "eager")
         dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     # what autograd keeps between forward and backward: o, lse, cu_seqlens and either the BF16 q, k, v
     # or (fp8_token) the forward's nine code tensors in their place
