@@ -524,11 +524,11 @@ EAGER_DEVICES = frozenset({"cuda"})
 
 def eager_path_ok(*tensors: torch.Tensor) -> bool:
     """True when `attention` may run the two ops' implementations under `_EagerAttention` instead of dispatching
-    the torch.library ops: plain tensors on a kernel device, no compiler tracing, no Python dispatch or
+    the torch.library ops: plain tensors on a kernel device, no compiler or jit tracing, no Python dispatch or
     torch-function mode (fake tensors, make_fx, FlopCounterMode), no functorch transform. Same implementations, so
     the same launches and bits; what the path saves is the ops' dispatch (≈ 0.16 ms of host time per op on an H100
     host, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # (a jit trace would not see the launches)
         return False
     for t in tensors:
         if type(t) is not torch.Tensor or t.device.type not in EAGER_DEVICES:

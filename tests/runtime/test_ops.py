@@ -194,7 +194,8 @@ def test_eager_path_only_for_plain_tensors_outside_tracing_and_modes(monkeypatch
     assert not ops_mod.eager_path_ok(q.as_subclass(torch.nn.Parameter))
     seen = []
     torch.vmap(lambda x: seen.append(ops_mod.eager_path_ok(x)) or x)(q)
-    assert seen == [False]
+    torch.jit.trace(lambda x: seen.append(ops_mod.eager_path_ok(x)) or x * 2, (q.float(),), check_trace=False)
+    assert seen == [False, False]
 
     # torch.compile: the graph holds the op even where the eager path would run in eager mode
     graphs = []
