@@ -478,7 +478,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                  fwd_tile_m: int | None = None, q_t_scale: torch.Tensor | None = None,
                  do_t_scale: torch.Tensor | None = None, k_diag: torch.Tensor | None = None,
                  k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None,
-                 qk_tensor_scale: torch.Tensor | None = None):
+                 qk_tensor_scale: torch.Tensor | None = None, trusted: bool = False):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D): the kernel's accumulator storage — head-major and chunk-swizzled for a
     `bwd_dq_tile_copy` kernel, whose natural fp32 dQ is `dq_accum_natural(dq_accum)`).
@@ -507,15 +507,20 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     `k_t_diag` (HKV, D, T_PAD), `k_diag_scale` (T, HKV), read on the forward's diagonal key tiles.
     NVFP4 variants (route nvfp4_mixed, ARGS name `qk_tensor_scale`; see `check_qk_tensor_scale`): `q`, `k` are the
     NVFP4 Q, K dequantized to BF16 (code·block scale) that Sᵀ = K·Qᵀ reads, `qk_tensor_scale` fp32 (1,) their tensor
-    scales ts_q·ts_k on the device; `q_t`, `q_scale`, `k_t`, `k_scale` the E4M3 token-block copies of Q, K (dK, dQ)."""
+    scales ts_q·ts_k on the device; `q_t`, `q_scale`, `k_t`, `k_scale` the E4M3 token-block copies of Q, K (dK, dQ).
+    `trusted`: the caller made every tensor itself (the op's eager path: its own quantizers' outputs, the saved
+    forward outputs, a schedule from `bwd_schedule`): `check_bwd_inputs` and the schedule's checks are skipped."""
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
     do5 = is_do_e5m2_spec(args_spec)
-    T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
-                                     do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                     do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"),
-                                     scores_bf16=sbf16, ds16=ds16, do_e5m2=do5)
+    if trusted:
+        (T, HQ, D), HKV = q.shape, k.shape[1]
+    else:
+        T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
+                                         do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                         do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"),
+                                         scores_bf16=sbf16, ds16=ds16, do_e5m2=do5)
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem)
@@ -545,7 +550,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if schedule is None:
         schedule = bwd_schedule(cu_seqlens, tile_m, tile_n, params["causal"], key_align=align, T=T,
                                 windows=bwd_windows(params), hkv=HKV, head_section=hsec)
-    else:
+    elif not trusted:
         nd = cu_seqlens.numel() - 1
         nw, ncol = ((num_units(T, nd, tile_n, HKV, bwd_windows(params)), 4) if hsec
                     else (num_work(T, nd, tile_n), 3))

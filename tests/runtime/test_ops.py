@@ -457,6 +457,18 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route, p
         assert bwd["q"].dtype == torch.bfloat16 and torch.equal(bwd["do"], do)
         assert torch.equal(bwd["work"], bwd_schedule(cu, 64, 128, True, T=t).work)
     assert bwd["row_doc"].tolist() == [[0, 30]] * 30 + [[30, t]] * (t - 30)
+    # a gradient of another dtype (o.backward(fp32) passes it as given): the dO launch reads it as BF16
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        o = flamia_gen.attention(q, k, v, cu, 40, route=route)
+        dq32, _, _ = torch.autograd.grad(o, (q, k, v), do.float())
+    do_launch = calls[-2][1]
+    assert do_launch["x"].dtype == torch.bfloat16 and torch.equal(do_launch["x"], do) and torch.equal(dq32, dq)
+    # the backward op itself refuses one, by name
+    with pytest.raises(ValueError, match=r"do: expected the gradient of o: bfloat16 \(70, 4, 128\)"):
+        torch.ops.flamia.attention_bwd(do.float(), q.detach(), k.detach(), v.detach(), o.detach(),
+                                       torch.zeros(HQ, t), cu, 40, True, route, None, [], False)
 
 
 # ---------------------------------------------------------------- GPU
