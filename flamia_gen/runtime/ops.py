@@ -571,6 +571,7 @@ class _EagerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises by name (the op's has no formula either)
     def backward(ctx, grad_o, grad_lse, *grad_codes):
         # a backward traced or run under a mode (compiled autograd, a dispatch mode around .backward()) takes the op
         bwd = _eager_bwd if grad_o is None or eager_path_ok(grad_o) else torch.ops.flamia.attention_bwd

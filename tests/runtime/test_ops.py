@@ -465,6 +465,13 @@ def test_backward_plumbing_with_stand_in_kernels(monkeypatch, tmp_path, route, p
         dq32, _, _ = torch.autograd.grad(o, (q, k, v), do.float())
     do_launch = calls[-2][1]
     assert do_launch["x"].dtype == torch.bfloat16 and torch.equal(do_launch["x"], do) and torch.equal(dq32, dq)
+    # no double backward: the gradient graph ends in an error that names it (eager path) or the op's
+    if path == "eager":
+        o = flamia_gen.attention(q, k, v, cu, 40, route=route)
+        dq2, _, _ = torch.autograd.grad(o, (q, k, v), do.requires_grad_(True), create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            dq2.float().sum().backward()
+        do = do.detach()
     # the backward op itself refuses one, by name
     with pytest.raises(ValueError, match=r"do: expected the gradient of o: bfloat16 \(70, 4, 128\)"):
         torch.ops.flamia.attention_bwd(do.float(), q.detach(), k.detach(), v.detach(), o.detach(),
