@@ -38,6 +38,7 @@ class BenchRow:
     flops: int | None = None
     tflops: float | None = None
     peak_mib: float | None = None
+    host_ms: float | None = None  # host time to issue one call (timing.host_issue_ms): near median_ms, host-bound
     speedup: float | None = None
     suspect: bool = False
     o_cos: float | None = None
@@ -207,12 +208,14 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
     from rich.table import Table
 
     with_cos = any(r.o_cos is not None or r.dq_cos is not None for r in rows)
+    with_host = any(r.host_ms is not None for r in rows)
     t = Table(title=title, show_lines=False, header_style="bold")
     # Numbers never wrap or get cut ("26…" is no measurement).
     t.add_column("workload", style="cyan", no_wrap=True)
     t.add_column("impl", no_wrap=True)
     t.add_column("prec", no_wrap=True, min_width=4)
-    for c, w in (("ms", 7), ("TFLOP/s", 7), ("peak MiB", 8), ("vs peer", 7)):
+    cols = (("ms", 7), ("host ms", 7), ("TFLOP/s", 7), ("peak MiB", 8), ("vs peer", 7))
+    for c, w in cols if with_host else tuple(x for x in cols if x[0] != "host ms"):
         t.add_column(c, justify="right", no_wrap=True, min_width=w)
     if with_cos:
         t.add_column("O cos", justify="right", no_wrap=True, min_width=6)
@@ -231,15 +234,29 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
             tf = _fmt(r.tflops, ".0f")
             if r.suspect:
                 tf = f"[red]{tf}?[/]"
-            cells = [wl, name, r.precision, _fmt(r.median_ms, ".3f"), tf,
-                     _fmt(r.peak_mib, ".0f"), sp]
+            cells = [wl, name, r.precision, _fmt(r.median_ms, ".3f"), tf, _fmt(r.peak_mib, ".0f"), sp]
+            if with_host:
+                cells.insert(4, _host_cell(r))
         else:
-            cells = [wl, name, r.precision, "-", "-", "-", "-"]
+            cells = [wl, name, r.precision] + ["-"] * (5 if with_host else 4)
         if with_cos:
             cells += [_fmt(r.o_cos, ".4f"), _fmt(r.dq_cos, ".4f")]
         cells.append(notes.cell(r.status, r.note))
         t.add_row(*cells)
     return t, notes.lines()
+
+
+HOST_BOUND = 0.9  # host ms ≥ this share of the event-timed ms: the row is host-bound (marked "*")
+
+
+def host_bound(r: BenchRow) -> bool:
+    """Whether issuing the call takes (nearly) as long as the call: the GPU waited for the host."""
+    return r.host_ms is not None and r.median_ms is not None and r.host_ms >= HOST_BOUND * r.median_ms
+
+
+def _host_cell(r: BenchRow) -> str:
+    cell = _fmt(r.host_ms, ".3f")
+    return f"[yellow]{cell}*[/]" if host_bound(r) else cell
 
 
 def build_accuracy_table(results: Sequence[Any], title: str | None = None):
@@ -263,6 +280,10 @@ def render_tables(rows: Sequence[BenchRow], accuracy: Sequence[Any] = (), consol
     console = console or Console()
     table, notes = build_table(rows, title=title)
     console.print(table)
+    if any(r.host_ms is not None for r in rows):
+        console.print("host ms: host time to issue one call (calls issued back to back); * host-bound (≥ "
+                      f"{HOST_BOUND:.0%} of ms): the GPU waited for the launches", markup=False, highlight=False,
+                      soft_wrap=True)
     for line in notes:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if accuracy:

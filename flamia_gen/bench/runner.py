@@ -21,7 +21,7 @@ from .flops import workload_flops
 from .peers import resolve_impls
 from .report import (BenchRow, collect_metadata, compute_speedups, render_tables, table_text,
                      write_chart, write_json)
-from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP, MIN_REPEATS_DESIGN, check_ceiling, time_fn
+from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP, MIN_REPEATS_DESIGN, check_ceiling, host_issue_ms, time_fn
 from .workloads import Workload, get_workload, make_inputs, parse_workloads
 
 FLOP_CONVENTION = ("causal fwd per head per document 4*D*L(L+1)/2 (non-causal 4*D*L^2), "
@@ -106,6 +106,7 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
         row.median_ms, row.min_ms = stats.median_ms, stats.min_ms
         row.p20_ms, row.p80_ms = stats.p20_ms, stats.p80_ms
         row.repeats, row.timer = stats.repeats, stats.timer
+        row.host_ms = host_issue_ms(fn, device=device)
         if stats.peak_mem_bytes is not None:
             row.peak_mib = stats.peak_mem_bytes / 2**20
         row.flops = workload_flops(workload, mode)

@@ -162,6 +162,34 @@ def time_fn(fns: Fn | Sequence[Fn], device: str = "cuda", **kw: Any) -> TimingSt
     return time_cpu(fns, **kw)
 
 
+def host_issue_ms(fns: Fn | Sequence[Fn], device: str = "cuda", calls: int = 20) -> float:
+    """Host time to issue one call, in ms: `calls` calls issued back to back (rotating `fns`) after a
+    synchronisation, the clock stopped when the last call returns, before the GPU finishes. Near or above the
+    row's median (events) time, the call is host-bound: its GPU waits for launches (Python, dispatch), which the
+    event timer counts but cannot attribute. On the CPU device this is the wall time, as the timer's."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    seq = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    if not seq:
+        raise ValueError("no callable to time")
+    gpu = str(device).startswith("cuda")
+    if gpu:
+        import torch
+
+        sync = torch.cuda.synchronize
+    else:
+        def sync():
+            return None
+    cyc = itertools.cycle(seq)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        next(cyc)()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) * 1e3 / calls
+
+
 def check_ceiling(tflops: float | None, precision: str,
                   ceilings: dict[str, float] | None = None) -> tuple[bool, str]:
     """(suspect, note): a rate above the precision's ceiling is not reported as fact."""

@@ -49,6 +49,20 @@ def test_table_text_shows_values_and_reasons():
     assert "not installed" in text and "suspect" in text
     no_cos = table_text([r for r in rows if r.o_cos is None], width=220)
     assert "O cos" not in no_cos
+    assert "host ms" not in text  # no row has a host time
+
+
+def test_table_marks_host_bound_rows():
+    rows = [BenchRow("sdpa_cudnn", "eq1x2048", "train", "bf16", median_ms=0.624, tflops=96.0, host_ms=0.31),
+            BenchRow("flamia_fp8_token", "eq1x2048", "train", "fp8", is_peer=False, median_ms=1.252, tflops=48.0,
+                     host_ms=1.19),
+            BenchRow("flamia_bf16", "eq1x2048", "train", "bf16", is_peer=False, status="error", note="boom")]
+    compute_speedups(rows)
+    text = table_text(rows, width=220)
+    assert "host ms" in text and "0.310 " in text and "1.190*" in text  # 1.19 ≥ 0.9 × 1.252: host-bound
+    assert "0.310*" not in text and "* host-bound" in text
+    line = next(ln for ln in text.splitlines() if "flamia_bf16" in ln)
+    assert line.count("-") >= 5  # an error row fills every number column, the host column too
 
 
 def test_json_round_trip(tmp_path):

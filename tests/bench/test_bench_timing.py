@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from flamia_gen.bench.timing import (DEFAULT_CEILINGS, check_ceiling, percentile, summarize,
+from flamia_gen.bench.timing import (DEFAULT_CEILINGS, check_ceiling, host_issue_ms, percentile, summarize,
                                      time_cpu, time_fn)
 
 
@@ -47,6 +47,23 @@ def test_cpu_timer_rotates_a_list_of_callables():
     fns = [lambda i=i: seen.append(i) for i in range(3)]
     time_fn(fns, device="cpu", warmup=1, repeats=5, memory_baseline_bytes=0)
     assert seen == [0, 1, 2, 0, 1, 2]
+
+
+def test_host_issue_time_counts_the_calls_it_issues():
+    seen = []
+
+    def slow(i):
+        seen.append(i)
+        time.sleep(0.002)
+
+    fns = [lambda i=i: slow(i) for i in range(2)]
+    ms = host_issue_ms(fns, device="cpu", calls=5)
+    assert seen == [0, 1, 0, 1, 0] and 1.9 <= ms < 50
+    assert host_issue_ms(lambda: None, device="cpu", calls=3) < 1.0
+    with pytest.raises(ValueError, match="calls"):
+        host_issue_ms(lambda: None, device="cpu", calls=0)
+    with pytest.raises(ValueError, match="no callable"):
+        host_issue_ms([], device="cpu")
 
 
 def test_bad_counts():
