@@ -140,9 +140,9 @@ NUM_SAVED = sum(len(SAVED_FIELDS[op]) for op in SAVED_OPERANDS)  # attention_fwd
 FwdOutputs = tuple[(torch.Tensor,) * (2 + NUM_SAVED)]  # o, lse, *codes (the schema needs a fixed arity)
 
 
-def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  causal: bool, route: str, softmax_scale: Optional[float],
-                  deterministic: bool = False, forward_only: bool = False) -> FwdOutputs:
+def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int, causal: bool, route: str, softmax_scale: Optional[float],
+                        deterministic: bool = False, forward_only: bool = False) -> FwdOutputs:
     """(o BF16 (T, HQ, D), lse fp32 (HQ, T), *codes) from the bundle's quantizers + forward kernel.
     `codes` (NUM_SAVED tensors): on routes where `saves_codes`, the forward's Q, K, V quantizer outputs
     the backward reads (SAVED_FIELDS: Q and K codes (T, H, D), codes_t (H, D, T_PAD), scales (T, H); V codes
@@ -436,9 +436,9 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
 
 
 def _attention_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
-                  softmax_scale: Optional[float], codes: list[torch.Tensor],
-                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool, route: str,
+                        softmax_scale: Optional[float], codes: list[torch.Tensor],
+                        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq BF16 shaped like q, dk, dv BF16 shaped like k, v): dO launch + the bundle's attn_bwd kernel, or
     NoKernelError. `deterministic`: a variant whose dQ partials are added in a fixed order (bitwise
     reproducible). `codes`: attention_fwd's code outputs (the forward's Q, K, V codes) or [] (recomputed
@@ -467,7 +467,8 @@ def _check_do(do, q) -> None:
 def _eager_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softmax_scale, codes, deterministic):
     """`_attention_bwd_impl` for the eager path's backward: the tensors are the forward's own (saved by
     `_setup_context`, validated or made by the forward) and autograd's gradient (shape checked by autograd, BF16 by
-    `_backward_with`), so nothing is re-validated (≈ 0.06 ms of host time a call, perf-notes round 37)."""
+    `_backward_with`), so nothing is re-validated (the checks took ≈ 0.06 ms a call in perf-notes round 37's
+    timed-wrapper run; the A/B itself was below the host's noise)."""
     return _run_backward(do.contiguous(), q, k, v, o, lse, cu_seqlens, int(max_seqlen), causal, route,
                          softmax_scale, deterministic, codes=list(codes) if codes else None, trusted=True)
 
@@ -548,8 +549,8 @@ def eager_path_ok(*tensors: torch.Tensor) -> bool:
     """True when `attention` may run the two ops' implementations under `_EagerAttention` instead of dispatching
     the torch.library ops: plain tensors on a kernel device, no compiler or jit tracing, no Python dispatch or
     torch-function mode (fake tensors, make_fx, FlopCounterMode), no functorch transform. Same implementations, so
-    the same launches and bits; what the path saves is the ops' dispatch (≈ 0.16 ms of host time per op on an H100
-    host, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
+    the same launches and bits; what the path saves is the ops' dispatch (≈ 0.1–0.15 ms of host time per op on an
+    H100 host, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # (a jit trace would not see the launches)
         return False
     for t in tensors:
