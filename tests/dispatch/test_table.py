@@ -275,15 +275,19 @@ def test_shipped_h200_table_is_current_and_answers_lookups():
 
 def test_shipped_h100_table_is_current_and_covers_fp8_token():
     """The H100 table (thirtieth session: the D = 64 / 128 groups of fp8_token and the D = 128 groups of bf16 and
-    fp8_tensor, the H200 being unavailable) must match the installed specs; its tuned buckets answer exactly, every
-    other group from the plan's defaults."""
+    fp8_tensor, the H200 being unavailable; thirty-sixth: fp8_pv, fp8_token_bf16qk and mxfp8_exact at D = 128, the
+    H200's winners timed on the H100) must match the installed specs; its tuned buckets answer exactly, every other
+    group from the plan's defaults."""
     p = REPO / "tuning_db" / "sm90-h100-80gb-hbm3.json"
     table, why = tb.load_table(p, tb.installed_expectation("sm90", "NVIDIA H100 80GB HBM3"))
     assert why is None, why
     assert table["_metadata"]["gpu"] == "NVIDIA H100 80GB HBM3" and not table["_metadata"]["untuned"]
     assert tb.table_path("sm90", "NVIDIA H100 80GB HBM3", root=REPO / "tuning_db") == p
     assert {e["route"] for e in table["entries"].values() if e["kind"] != "quant"} == {
-        "bf16", "bf16_det", "fp8_tensor", "fp8_tensor_det", "fp8_token", "fp8_token_det"}
+        "bf16", "bf16_det", "fp8_tensor", "fp8_tensor_det", "fp8_token", "fp8_token_det", "fp8_pv",
+        "fp8_token_bf16qk", "mxfp8_exact"}
+    d = tb.decide(table, "sm90", "attn_bwd", "fp8_pv", 128, False, [0, 4096, 8192])
+    assert d.source == "exact" and d.variant == "attn_bwd_sm90_fp8_pv_d128_m64n128_s2_wg2_preg_longest_first_noncausal"
     d = tb.decide(table, "sm90", "attn_bwd", "fp8_token", 128, True, [0, 16384])
     assert d.source == "exact" and d.variant == "attn_bwd_sm90_fp8_token_d128_m64n128_s2_wg2_preg_longest_first"
     d = tb.decide(table, "sm90", "attn_fwd", "mxfp8", 128, True, [0, 16384])  # not tuned on the H100
