@@ -68,6 +68,11 @@ def _fused_exp_default(p) -> bool:
                                       or bool(p.get("intra_wg_overlap")))
 
 
+def _per_key_one_tile(p) -> bool:
+    """Where fwd_kf_early applies: E4M3 QKᵀ with per-key factors (not fp8_tensor's uniform ones), no overlap."""
+    return _e4m3_qk(p) and not _uniform_kv_applies(p) and not p["intra_wg_overlap"]
+
+
 # tag → (render-context / params overrides, which default variants it applies to, why restricted)
 EXPERIMENTS: dict[str, dict] = {
     "kvs3": dict(over={"kv_stages": 3}, when=lambda p: True,
@@ -134,6 +139,13 @@ EXPERIMENTS: dict[str, dict] = {
     "qend": dict(over={"fwd_q_align_end": True},
                  when=lambda p: p["causal"] and not p.get("diag_k") and not p.get("diag_v"),
                  note="query tiles aligned to the document's end: the partial tile first, where it sees 1 key tile"),
+    # thirty-sixth session (round 37, built, not run): pass 1's first per-key factor loads issued while QKᵀ runs
+    "kfe1": dict(over={"fwd_kf_early": 1}, when=lambda p: _per_key_one_tile(p),
+                 note="the first column group's (2^ek, ev) loaded between the QKᵀ issue and its wait"),
+    "kfe2": dict(over={"fwd_kf_early": 2}, when=lambda p: _per_key_one_tile(p),
+                 note="the first two column groups' (2^ek, ev) loaded between the QKᵀ issue and its wait"),
+    "kfe4": dict(over={"fwd_kf_early": 4}, when=lambda p: _per_key_one_tile(p),
+                 note="the first four column groups' (2^ek, ev) loaded between the QKᵀ issue and its wait"),
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, diagnostic=True,
