@@ -207,8 +207,9 @@ def test_bwd_experiments_variants_names_and_support():
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
     # round 32's dS by stmatrix: stsm on bf16's 4 tiles; fp8_token's 4 take it and dK after dQ by default since round 35,
     # so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
-    # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8
+    # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
+    # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -255,6 +256,8 @@ def test_bwd_experiments_variants_names_and_support():
                 assert tag == "stsm"
             else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
                 assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")
+        elif tag == "rwe":  # tests/kernels/test_attn_bwd_rw_early.py
+            assert v.route == "fp8_token" and rendered_params(render_variant(v)).get("bwd_rw_early") is True
         elif tag in ("kvearly", "qahead"):  # the unit boundary (tests/kernels/test_attn_bwd_unit_boundary.py)
             p = rendered_params(render_variant(v))
             assert p.get("bwd_kv_early" if tag == "kvearly" else "bwd_q_ahead") is True
