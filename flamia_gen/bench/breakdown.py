@@ -43,22 +43,13 @@ def kernel_times(fn, calls: int = 3) -> tuple[list[tuple[str, float, int]], floa
 
 
 def host_issue_times(fn, calls: int = 20) -> tuple[float, float]:
-    """(host ms per call to issue `calls` calls back to back, wall ms per call until the GPU is done), no profiler
-    attached. A host time near or above the GPU kernels' sum means the call is host-bound: the GPU waits for launches
-    (the op path's Python, the torch.library dispatch), which `kernel_times` cannot show."""
-    import time
+    """(host ms per call to issue `calls` calls back to back, wall ms per call until the GPU is done), after one
+    warm-up call, no profiler attached (`timing.issue_times`). A host time near or above the GPU kernels' sum means
+    the call is host-bound: the GPU waits for launches (the op path's Python, the torch.library dispatch), which
+    `kernel_times` cannot show."""
+    from .timing import issue_times
 
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls
+    return issue_times(fn, "cuda", calls, warmup=1)
 
 
 def host_profile(fn, calls: int = 50, top: int = 30) -> str:

@@ -148,8 +148,7 @@ EXPERIMENTS: dict[str, dict] = {
     # STAGES query tiles before it waits for the K/V stage
     # thirty-sixth session (round 37, built, not run): column group 0's per-query words loaded while Sᵀ and dPᵀ run
     "rwe": dict(over={"bwd_rw_early": True}, when=lambda p: _dq16_per_token(p) and not p.get("scores_bf16")
-                and p.get("ds_gran") != "square_32" and not p.get("diag_v") and not p.get("diag_k")
-                and not p.get("rows_q"),
+                and not p.get("diag_v") and not p.get("diag_k") and not p.get("rows_q"),
                 note="column group 0's per-query words (LSE, D, Q factor) loaded between the Sᵀ/dPᵀ issue and their wait"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),

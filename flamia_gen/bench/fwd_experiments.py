@@ -140,12 +140,9 @@ EXPERIMENTS: dict[str, dict] = {
                  when=lambda p: p["causal"] and not p.get("diag_k") and not p.get("diag_v"),
                  note="query tiles aligned to the document's end: the partial tile first, where it sees 1 key tile"),
     # thirty-sixth session (round 37, built, not run): pass 1's first per-key factor loads issued while QKᵀ runs
-    "kfe1": dict(over={"fwd_kf_early": 1}, when=lambda p: _per_key_one_tile(p),
-                 note="the first column group's (2^ek, ev) loaded between the QKᵀ issue and its wait"),
-    "kfe2": dict(over={"fwd_kf_early": 2}, when=lambda p: _per_key_one_tile(p),
-                 note="the first two column groups' (2^ek, ev) loaded between the QKᵀ issue and its wait"),
-    "kfe4": dict(over={"fwd_kf_early": 4}, when=lambda p: _per_key_one_tile(p),
-                 note="the first four column groups' (2^ek, ev) loaded between the QKᵀ issue and its wait"),
+    **{f"kfe{n}": dict(over={"fwd_kf_early": n}, when=_per_key_one_tile,
+                       note=f"the first {n} column group(s)' (2^ek, ev) loaded between the QKᵀ issue and its wait")
+       for n in (1, 2, 4)},
     # timing-only diagnostic (O is wrong: run with --no-verify): pass 2 without MUFU.EX2. If the MUFU phase overlaps
     # the tensor pipe the kernel barely speeds up; if the two are serialised it loses about the MUFU's own time.
     "noex2": dict(over={"diag_no_ex2": True}, when=lambda p: True, diagnostic=True,

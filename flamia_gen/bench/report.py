@@ -214,8 +214,8 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
     t.add_column("workload", style="cyan", no_wrap=True)
     t.add_column("impl", no_wrap=True)
     t.add_column("prec", no_wrap=True, min_width=4)
-    cols = (("ms", 7), ("host ms", 7), ("TFLOP/s", 7), ("peak MiB", 8), ("vs peer", 7))
-    for c, w in cols if with_host else tuple(x for x in cols if x[0] != "host ms"):
+    nums = [("ms", 7)] + [("host ms", 7)] * with_host + [("TFLOP/s", 7), ("peak MiB", 8), ("vs peer", 7)]
+    for c, w in nums:
         t.add_column(c, justify="right", no_wrap=True, min_width=w)
     if with_cos:
         t.add_column("O cos", justify="right", no_wrap=True, min_width=6)
@@ -234,11 +234,10 @@ def build_table(rows: Sequence[BenchRow], title: str | None = None):
             tf = _fmt(r.tflops, ".0f")
             if r.suspect:
                 tf = f"[red]{tf}?[/]"
-            cells = [wl, name, r.precision, _fmt(r.median_ms, ".3f"), tf, _fmt(r.peak_mib, ".0f"), sp]
-            if with_host:
-                cells.insert(4, _host_cell(r))
+            cells = [wl, name, r.precision, _fmt(r.median_ms, ".3f")] + [_host_cell(r)] * with_host
+            cells += [tf, _fmt(r.peak_mib, ".0f"), sp]
         else:
-            cells = [wl, name, r.precision] + ["-"] * (5 if with_host else 4)
+            cells = [wl, name, r.precision] + ["-"] * len(nums)
         if with_cos:
             cells += [_fmt(r.o_cos, ".4f"), _fmt(r.dq_cos, ".4f")]
         cells.append(notes.cell(r.status, r.note))

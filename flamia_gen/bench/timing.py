@@ -162,18 +162,18 @@ def time_fn(fns: Fn | Sequence[Fn], device: str = "cuda", **kw: Any) -> TimingSt
     return time_cpu(fns, **kw)
 
 
-def host_issue_ms(fns: Fn | Sequence[Fn], device: str = "cuda", calls: int = 20) -> float:
-    """Host time to issue one call, in ms: `calls` calls issued back to back (rotating `fns`) after a
-    synchronisation, the clock stopped when the last call returns, before the GPU finishes. Near or above the
-    row's median (events) time, the call is host-bound: its GPU waits for launches (Python, dispatch), which the
-    event timer counts but cannot attribute. On the CPU device this is the wall time, as the timer's."""
+def issue_times(fns: Fn | Sequence[Fn], device: str = "cuda", calls: int = 20,
+                warmup: int = 0) -> tuple[float, float]:
+    """(host ms, wall ms) per call: `calls` calls issued back to back (rotating `fns`) after `warmup` untimed ones
+    and a synchronisation; the host clock stops when the last call returns, the wall clock when the device is done.
+    A host time near or above the call's device time means the call is host-bound: its GPU waits for launches
+    (Python, dispatch), which an event timer counts but cannot attribute. On the CPU the two are the same."""
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     seq = list(fns) if isinstance(fns, (list, tuple)) else [fns]
     if not seq:
         raise ValueError("no callable to time")
-    gpu = str(device).startswith("cuda")
-    if gpu:
+    if str(device).startswith("cuda"):
         import torch
 
         sync = torch.cuda.synchronize
@@ -181,13 +181,21 @@ def host_issue_ms(fns: Fn | Sequence[Fn], device: str = "cuda", calls: int = 20)
         def sync():
             return None
     cyc = itertools.cycle(seq)
+    for _ in range(warmup):
+        next(cyc)()
     sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         next(cyc)()
     t1 = time.perf_counter()
     sync()
-    return (t1 - t0) * 1e3 / calls
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls
+
+
+def host_issue_ms(fns: Fn | Sequence[Fn], device: str = "cuda", calls: int = 20) -> float:
+    """Host time to issue one call, in ms (`issue_times`): the bench's `host ms` column."""
+    return issue_times(fns, device, calls)[0]
 
 
 def check_ceiling(tflops: float | None, precision: str,

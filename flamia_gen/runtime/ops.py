@@ -469,7 +469,7 @@ def _eager_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, route, softm
     `_setup_context`, validated or made by the forward) and autograd's gradient (shape checked by autograd, BF16 by
     `_backward_with`), so nothing is re-validated (the checks took ≈ 0.06 ms a call in perf-notes round 37's
     timed-wrapper run; the A/B itself was below the host's noise)."""
-    return _run_backward(do.contiguous(), q, k, v, o, lse, cu_seqlens, int(max_seqlen), causal, route,
+    return _run_backward(do, q, k, v, o, lse, cu_seqlens, int(max_seqlen), causal, route,  # (do: contiguous BF16)
                          softmax_scale, deterministic, codes=list(codes) if codes else None, trusted=True)
 
 
@@ -549,8 +549,8 @@ def eager_path_ok(*tensors: torch.Tensor) -> bool:
     """True when `attention` may run the two ops' implementations under `_EagerAttention` instead of dispatching
     the torch.library ops: plain tensors on a kernel device, no compiler or jit tracing, no Python dispatch or
     torch-function mode (fake tensors, make_fx, FlopCounterMode), no functorch transform. Same implementations, so
-    the same launches and bits; what the path saves is the ops' dispatch (≈ 0.1–0.15 ms of host time per op on an
-    H100 host, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
+    the same launches and bits; what the path saves is the ops' dispatch (0.17–0.29 ms of host time a train call on
+    H100 hosts, docs/ops.md "Host time"). Everything else goes through the ops, whose fake implementations trace."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # (a jit trace would not see the launches)
         return False
     for t in tensors:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from flamia_gen.bench.timing import (DEFAULT_CEILINGS, check_ceiling, host_issue_ms, percentile, summarize,
+from flamia_gen.bench.timing import (DEFAULT_CEILINGS, check_ceiling, host_issue_ms, issue_times, percentile, summarize,
                                      time_cpu, time_fn)
 
 
@@ -59,6 +59,8 @@ def test_host_issue_time_counts_the_calls_it_issues():
     fns = [lambda i=i: slow(i) for i in range(2)]
     ms = host_issue_ms(fns, device="cpu", calls=5)
     assert seen == [0, 1, 0, 1, 0] and 1.9 <= ms < 50
+    host, wall = issue_times(fns, device="cpu", calls=2, warmup=1)  # one untimed call first, then two timed
+    assert seen[5:] == [0, 1, 0] and 1.9 <= host <= wall < 50
     assert host_issue_ms(lambda: None, device="cpu", calls=3) < 1.0
     with pytest.raises(ValueError, match="calls"):
         host_issue_ms(lambda: None, device="cpu", calls=0)
