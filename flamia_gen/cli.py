@@ -265,15 +265,28 @@ def _sass_check(results) -> dict:
 @click.option("--retime", "retime_path", type=click.Path(dir_okay=False), default=None, metavar="TABLE",
               help="what `flamia-gen tune --retime TABLE` times: the winners of TABLE's entries timed on another "
                    "build or none recorded, and the forwards and quantizers the backward ones' op paths need")
+@click.option("--table", "table_path_", type=click.Path(dir_okay=False, exists=True), default=None, metavar="TABLE",
+              help="only what TABLE dispatches to (its winners, the defaults of groups it has no entry of, the "
+                   "forwards and quantizers the backwards' op paths need): a deployment bundle; --route and "
+                   "--head-dim narrow it")
+@click.option("--head-dim", "head_dims", multiple=True, type=int, help="with --table: only these head dims")
 @click.option("--jobs", "-j", type=click.IntRange(1, 64), default=1, show_default=True)
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), required=True)
-def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
+def bundle(specs_dir, arch, routes, names, retime_path, table_path_, head_dims, jobs, out_dir):
     """Build and pack kernels + DSL runtime + manifest for a host without the DSL compiler."""
     from .build.bundle import write_bundle
     from .build.cache import BuildCache
 
     plan = None
-    if retime_path:
+    if head_dims and not table_path_:
+        raise click.BadParameter("--head-dim narrows --table: give a table", param_hint="'--head-dim'")
+    if table_path_:
+        if retime_path or names:
+            raise click.BadParameter("--table picks the variants itself: leave out --retime and --variant",
+                                     param_hint="'--table'")
+        plan, names = _table_bundle_names(specs_dir, arch, table_path_, routes, head_dims)
+        routes = ()
+    elif retime_path:
         if routes or names:
             raise click.BadParameter("--retime picks the variants itself: leave out --route and --variant",
                                      param_hint="'--retime'")
@@ -296,6 +309,36 @@ def bundle(specs_dir, arch, routes, names, retime_path, jobs, out_dir):
                   + ("" if arch == "sm90" else " (compiled, not executed)"))
     if any(r.status == "failed" for r in results):
         raise click.ClickException("some variants failed to compile and are not in the bundle")
+
+
+def _table_bundle_names(specs_dir, arch, path, routes, head_dims):
+    """(plan, variant names) of `bundle --table`: the table must be one the runtime would use with the installed
+    specs (any GPU's), else its winners would never be asked for."""
+    from .dispatch.serving import table_served_variants
+    from .dispatch.table import installed_expectation, load_table
+
+    specs = _specs(specs_dir)
+    for r in routes:
+        if r not in specs.routes:
+            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs.routes)}")
+    plan = _plan(specs, arch)
+    table, why = load_table(path, installed_expectation(arch, None, specs=specs, plan=plan))
+    if table is None:
+        raise click.BadParameter(f"the runtime would not use this table, so a bundle of its choices serves nothing: "
+                                 f"{why}", param_hint="'--table'")
+    dims = {int(v.param("head_dim")) for v in plan.variants}
+    bad = sorted(set(head_dims) - dims)
+    if bad:
+        raise click.BadParameter(f"head dim {bad[0]} has no variant on {arch} (have {sorted(dims)})",
+                                 param_hint="'--head-dim'")
+    vs, notes = table_served_variants(specs, arch, table, plan, routes, head_dims)
+    for n in notes:
+        console.print(f"[yellow]not bundled[/yellow] {n}")
+    if not vs:
+        raise Fail(f"{path}: nothing to bundle for routes={list(routes) or 'all'} head dims={list(head_dims) or 'all'}")
+    console.print(f"{path}: {len(vs)} variants serve its {len(table['entries'])} entries"
+                  + (f" (routes {', '.join(routes)})" if routes else ""))
+    return plan, tuple(v.name for v in vs)
 
 
 @main.command("bundle-merge")

@@ -103,14 +103,15 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
     disp = _local_dispatcher()
     try:
         if kind == "quant":
-            name = disp.quantizer(route, operand, d, profile=profile).variant
+            dec = disp.quantizer(route, operand, d, profile=profile)
         else:
-            name = disp.decide(kind, group_route(route, det), d, causal, profile=profile).variant
+            dec = disp.decide(kind, group_route(route, det), d, causal, profile=profile)
     except KeyError:
-        name = None
+        dec = None
+    name = dec.variant if dec else None
     if name and name in b.variants and bool(b.variants[name]["params"].get("deterministic")) == det:
         return b.variants[name]
-    # the chosen variant is not in this bundle: any bundled variant of the same group
+    # the chosen variant is not in this bundle: the group's default if bundled, else any bundled variant of the group
     if kind == "quant":
         cands = b.for_use(route, operand, "quant", head_dim=d)
     else:
@@ -120,7 +121,19 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
     if not cands:
         raise NoKernelError(f"no {kind} kernel for route={route!r} operand={operand} head_dim={d} causal={causal} "
                             f"on {ARCH} in bundle {b.root}")
-    return sorted(cands, key=lambda v: v["name"])[0]
+    default = disp.defaults.get(dec.group) if dec else None
+    pick = next((v for v in cands if v["name"] == default), None) or sorted(cands, key=lambda v: v["name"])[0]
+    if name and (name, str(b.root)) not in _WARNED_MISSING:
+        _WARNED_MISSING.add((name, str(b.root)))
+        import warnings
+
+        warnings.warn(f"flamia-gen: the dispatch table chose {name}, which bundle {b.root} does not hold; running "
+                      f"{pick['name']} (not the tuned choice: build the bundle with `flamia-gen bundle --table`)",
+                      RuntimeWarning, stacklevel=3)
+    return pick
+
+
+_WARNED_MISSING: set = set()  # (variant, bundle root) pairs already warned about: once per process
 
 
 _WORK_CACHE: dict = {}

@@ -134,3 +134,47 @@ def test_relative_bundle_path_follows_the_working_directory(monkeypatch, tmp_pat
     monkeypatch.chdir(tmp_path / "b")
     rb = A._current_bundle().root.resolve()
     assert ra == (tmp_path / "a" / "bundle").resolve() and rb == (tmp_path / "b" / "bundle").resolve()
+
+
+def test_a_table_choice_missing_from_the_bundle_runs_the_groups_default_and_warns_once(monkeypatch, tmp_path):
+    """The table names a kernel the bundle lacks (a bundle of one route's defaults, say): the runtime runs the group's
+    default when bundled (not the alphabetically first member) and says so once — the user is not running the tuned
+    choice. A group with nothing bundled stays a NoKernelError."""
+    import json
+    import warnings
+
+    import flamia_gen.runtime.attention as A
+    from flamia_gen.dispatch import Decision, DocProfile
+    from flamia_gen.runtime.bundle import load_bundle
+
+    def entry(name):
+        return {"name": name, "file": f"kernels/{name}.so", "sha256": "0" * 64, "kind": "attn_fwd", "family": "x",
+                "spec_hash": "0", "source_sha256": "0", "uses": ["fp8_token"], "params": {"head_dim": 128,
+                "causal": True}, "args": []}
+
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90",
+                                                 "variants": [entry("attn_fwd_a_first"), entry("attn_fwd_z_default")]}))
+    group = "attn_fwd/fp8_token/d128/causal"
+
+    class Disp:
+        defaults = {group: "attn_fwd_z_default"}
+
+        def decide(self, kind, route, d, causal, profile=None):
+            return Decision("attn_fwd_tuned_winner", "exact", group, {})
+
+    monkeypatch.setattr(A, "_local_dispatcher", lambda: Disp())
+    monkeypatch.setattr(A, "_WARNED_MISSING", set())
+    b = load_bundle(d)
+    prof = DocProfile.from_lengths([4096])
+    with pytest.warns(RuntimeWarning, match="chose attn_fwd_tuned_winner, which bundle .* does not hold; running "
+                                            "attn_fwd_z_default"):
+        assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_z_default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_z_default"
+    Disp.defaults = {}  # no default bundled: the first member, still a kernel of the group
+    assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_a_first"
+    with pytest.raises(NoKernelError, match="no attn_fwd kernel for route='fp8_token'"):
+        A._pick(b, "attn_fwd", "fp8_token", 128, False, prof)
