@@ -334,6 +334,13 @@ def _table_bundle_names(specs_dir, arch, path, routes, head_dims):
     vs, notes = table_served_variants(specs, arch, table, plan, routes, head_dims)
     for n in notes:
         console.print(f"[yellow]not bundled[/yellow] {n}")
+    from .dispatch.table import stale_builds
+
+    chosen = {v.name for v in vs}
+    stale = [k for k, w in stale_builds(table, arch, plan=plan) if w in chosen]
+    if stale:  # still the table's choices (the runtime uses them), but their times describe another build
+        console.print(f"[yellow]{len(stale)} of the bundled choices' entries were timed on another build[/yellow] "
+                      f"(e.g. {stale[0]}): the choice may differ after `flamia-gen bundle --retime` + `tune --retime`")
     if not vs:
         raise Fail(f"{path}: nothing to bundle for routes={list(routes) or 'all'} head dims={list(head_dims) or 'all'}")
     console.print(f"{path}: {len(vs)} variants serve its {len(table['entries'])} entries"

@@ -133,3 +133,25 @@ def test_bundle_table_builds_the_served_variants(tmp_path, monkeypatch):
     want, _ = _served(routes=("fp8_pv",), head_dims=(128,))
     assert seen["routes"] == () and seen["names"] == tuple(want)
     assert "variants serve its" in res.output
+
+
+def test_bundle_table_says_when_its_choices_were_timed_on_another_build(tmp_path, monkeypatch):
+    import flamia_gen.cli as cli
+    from flamia_gen.dispatch.table import installed_source_sha256
+
+    t = json.loads(json.dumps(TABLE))
+    now = installed_source_sha256("sm90", {e["winner"]["variant"] for e in t["entries"].values()}, plan=PLAN)
+    for e in t["entries"].values():  # current builds everywhere (whatever the committed table's state), then one not
+        e["winner"]["source_sha256"] = now[e["winner"]["variant"]]
+    keys = [k for k, e in t["entries"].items() if e["group"].startswith("attn_bwd/fp8_pv/d128/")]
+    p = tmp_path / "t.json"
+    monkeypatch.setattr(cli, "_build", lambda *a, **k: (_ for _ in ()).throw(cli.Fail("stop here")))
+    args = ["bundle", "--arch", "sm90", "--table", str(p), "--route", "fp8_pv", "--head-dim", "128", "-o",
+            str(tmp_path / "b")]
+    p.write_text(json.dumps(t))
+    res = CliRunner().invoke(cli.main, args)
+    assert "stop here" in res.output and "timed on another build" not in res.output
+    t["entries"][keys[0]]["winner"]["source_sha256"] = "0" * 64
+    p.write_text(json.dumps(t))
+    res = CliRunner().invoke(cli.main, args)
+    assert "1 of the bundled choices' entries were timed on another build" in " ".join(res.output.split())
