@@ -46,6 +46,13 @@ _two_writers = lambda p: p.get("head_dim") == 64 or p.get("v_fmt") != "e4m3" or 
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
+# the template's BWD_NO_KT_DEFAULT and BWD_RW_EARLY_DEFAULT (round 38): fp8_token's D = 128 tile (E4M3 scores, dQ on BF16),
+# not deterministic; rwe's own conditions (no diagonal copies, no split Q rows) hold there
+_fp8_token_d128 = lambda p: (bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")  # noqa: E731
+                             and p.get("head_dim") == 128 and not p.get("deterministic"))
+_rwe_tile = lambda p: (bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")  # noqa: E731
+                       and not p.get("diag_v") and not p.get("diag_k") and not p.get("rows_q"))
+
 # mxfp8's tile (32×32-block dS, no per-token K or Q rows), where bwd_dq_bf16 is an experiment (off by default)
 _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p, "bwd_dq_bf16": True})  # noqa: E731
 
@@ -95,9 +102,12 @@ EXPERIMENTS: dict[str, dict] = {
     # ... and the kernels before it where it is on: padded on the dQ-on-BF16 tiles, plain (two-way conflicts) elsewhere
     "norowswz": dict(over={"bwd_row_swz": False}, when=bwd_row_swz,
                      note="per-query words without the swizzle (the default before round 30: padded where dQ is on BF16)"),
-    # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.01×, off): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes
-    "nokt": dict(over={"bwd_no_kt": True}, when=bwd_dq_bf16,
+    # bwd_no_kt (twenty-fifth session; H200 round 30: 0.97–1.01×; H100 round 38 0.988–1.003×, fp8_token's D = 128 tile's
+    # default since): the dQ-on-BF16 tiles stop loading the unread Kᵀ codes; where it is on, the kernel that loads them
+    "nokt": dict(over={"bwd_no_kt": True}, when=lambda p: bwd_dq_bf16(p) and not _fp8_token_d128(p),
                  note="no Kᵀ tile load (dQ on BF16 reads K̂ / the BF16 k): one TMA of n·d bytes less per unit"),
+    "kt": dict(over={"bwd_no_kt": False}, when=_fp8_token_d128,
+               note="the Kᵀ tile loaded though nothing reads it (the kernel before round 38)"),
     # bwd_dq_first (twenty-sixth session; H200 round 30: D = 128 1.00–1.03×, off; D = 64 0.96–0.99× over the swizzle and
     # dO's fold, the default of the per-token tiles' non-deterministic D = 64 copies): dK issued after dQ, dQ waited alone
     "dqfirst": dict(over={"bwd_dq_first": True},
@@ -146,10 +156,12 @@ EXPERIMENTS: dict[str, dict] = {
                     note="the K/V stage released after the unit's last Sᵀ / dPᵀ (the next unit's loads under its last tile)"),
     # bwd_q_ahead (thirty-second session; experiment, built, not run): every tile; the producer issues a unit's first
     # STAGES query tiles before it waits for the K/V stage
-    # thirty-sixth session (round 37, built, not run): column group 0's per-query words loaded while Sᵀ and dPᵀ run
-    "rwe": dict(over={"bwd_rw_early": True}, when=lambda p: _dq16_per_token(p) and not p.get("scores_bf16")
-                and not p.get("diag_v") and not p.get("diag_k") and not p.get("rows_q"),
+    # thirty-sixth session (H100 round 38: 0.985–0.997×, fp8_token's D = 128 tile's default since): column group 0's
+    # per-query words loaded while Sᵀ and dPᵀ run; where it is on, the kernel that loads them after the wait
+    "rwe": dict(over={"bwd_rw_early": True}, when=lambda p: _rwe_tile(p) and not _fp8_token_d128(p),
                 note="column group 0's per-query words (LSE, D, Q factor) loaded between the Sᵀ/dPᵀ issue and their wait"),
+    "norwe": dict(over={"bwd_rw_early": False}, when=_fp8_token_d128,
+                  note="column group 0's per-query words loaded after the Sᵀ/dPᵀ wait (the kernel before round 38)"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the

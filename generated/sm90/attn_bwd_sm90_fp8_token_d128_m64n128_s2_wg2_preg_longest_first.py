@@ -80,7 +80,9 @@ PARAMS = {
     "bwd_dq_amax_cg": 2,
     "bwd_dq_bf16": True,
     "bwd_row_swz": True,
+    "bwd_no_kt": True,
     "bwd_ds_stsm": True,
+    "bwd_rw_early": True,
     "bwd_dq_first": True,
     "bwd_dof_fold": True,
     "bwd_q_row_perm": True,
@@ -514,6 +516,7 @@ class AttnBwdSm90:
         self.bytes_kv = 3 * n * d
         self.bytes_q = 4 * m * d
         self.row_words = ROW_WORDS * m
+        self.bytes_kv -= n * d  # bwd_no_kt: the Kᵀ tile is not loaded (dQ on BF16 does not read it)
 
     @staticmethod
     def can_implement(T, HQ, HKV, D, num_docs=None):
@@ -736,12 +739,6 @@ class AttnBwdSm90:
                 bar = pipe_kv.producer_get_barrier(kv_state)
                 cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=bar)
                 cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=bar)
-                # k0 is a multiple of KEY_ALIGN: Kᵀ's token axis is its contiguous one (TMA rule)
-                gKt = cute.local_tile(cute.domain_offset((0, k0), mKt[None, None, hkv]),
-                                      (self.head_dim, self.tile_n), (0, 0))
-                tKtsKt, tKtgKt = cpasync.tma_partition(tma_atom_kt, 0, cute.make_layout(1),
-                                                       cute.group_modes(sKt, 0, 2), cute.group_modes(gKt, 0, 2))
-                cute.copy(tma_atom_kt, tKtgKt, tKtsKt, tma_bar_ptr=bar)
                 kv_state.advance()
                 for hh in cutlass.range(group, unroll=1):
                     head = hkv * group + hh
@@ -1050,6 +1047,11 @@ class AttnBwdSm90:
         self.gemm(tiled_mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, st], True)
         if const_expr(mask):
             klim = self.key_ranges(tScS, mRowDoc, key0, doc_start, doc_len, window)
+        # bwd_rw_early: column group 0's per-query words while Sᵀ and dPᵀ run (the Q stage holds them since its wait)
+        rwb = st * self.row_words
+        pre_lse2 = self.load2(sRow, rwb + row_word(tScS[0][1], 0))
+        pre_dl = self.load2(sRow, rwb + row_word(tScS[0][1], 1))
+        pre_qx = self.load2(sRow, rwb + row_word(tScS[0][1], 2))
         warpgroup.wait_group(0)
         rbase = st * self.row_words
         # dV reference of key row r: the max dO exponent over the tile's queries of r's own document (on
@@ -1061,9 +1063,12 @@ class AttnBwdSm90:
         qcol0 = query_of_col(tScS[0][1])  # this thread's query offset (tScS[0][1] = 2t)
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
-            lse2 = self.load2(sRow, rbase + row_word(c, 0))
-            dl = self.load2(sRow, rbase + row_word(c, 1))
-            qx = self.load2(sRow, rbase + row_word(c, 2))
+            if const_expr(cg == 0):
+                lse2, dl, qx = pre_lse2, pre_dl, pre_qx  # bwd_rw_early
+            else:
+                lse2 = self.load2(sRow, rbase + row_word(c, 0))
+                dl = self.load2(sRow, rbase + row_word(c, 1))
+                qx = self.load2(sRow, rbase + row_word(c, 2))
             if const_expr(mask):
                 edm = self.load2(sRow, rbase + row_word(c, 5))
             for cp in cutlass.range_constexpr(2):

@@ -208,7 +208,8 @@ def test_bwd_experiments_variants_names_and_support():
     # round 32's dS by stmatrix: stsm on bf16's 4 tiles; fp8_token's 4 take it and dK after dQ by default since round 35,
     # so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
-    # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4
+    # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
+    # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair
     assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
@@ -236,8 +237,10 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag == "norowswz":  # the kernel before round 30: padded per-query words
             src = render_variant(v)
             assert v.route == "fp8_token" and "PAIR_WORDS = 20" in src and '"bwd_row_swz"' not in src
-        elif tag == "nokt":
-            assert v.route == "fp8_token" and '"bwd_no_kt": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
+        elif tag in ("nokt", "kt"):  # since round 38 the non-deterministic tile's default: kt undoes it there
+            src = _render_fp8_dq(v, bwd_dq_bf16=True)
+            assert v.route == "fp8_token" and ('"bwd_no_kt": True' in src) is (tag == "nokt")
+            assert bool(dict(v.params).get("deterministic")) is (tag == "nokt")
         elif tag == "dqfirst":
             assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
         elif tag == "nodoffold":
@@ -256,8 +259,10 @@ def test_bwd_experiments_variants_names_and_support():
                 assert tag == "stsm"
             else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
                 assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")
-        elif tag == "rwe":  # tests/kernels/test_attn_bwd_rw_early.py
-            assert v.route == "fp8_token" and rendered_params(render_variant(v)).get("bwd_rw_early") is True
+        elif tag in ("rwe", "norwe"):  # tests/kernels/test_attn_bwd_rw_early.py (norwe: the default's undo, round 38)
+            assert v.route == "fp8_token"
+            assert (rendered_params(render_variant(v)).get("bwd_rw_early") is True) is (tag == "rwe")
+            assert bool(dict(v.params).get("deterministic")) is (tag == "rwe")
         elif tag in ("kvearly", "qahead"):  # the unit boundary (tests/kernels/test_attn_bwd_unit_boundary.py)
             p = rendered_params(render_variant(v))
             assert p.get("bwd_kv_early" if tag == "kvearly" else "bwd_q_ahead") is True

@@ -1,8 +1,8 @@
-"""bwd_rw_early (experiment flag of templates/sm90/attn_bwd.py.j2, off; docs/kernels/attn_bwd.md "Per-query words while
-Sᵀ and dPᵀ run"): column group 0's per-query words (LSE·log2 e, D, the Q factor) are loaded between the Sᵀ / dPᵀ issue
-and their wait instead of after it. CPU: off in every default render; renders on fp8_token's per-token dQ-on-BF16 tiles
-and is refused elsewhere; in the rendered tile the three loads sit before `wait_group(0)` and the pass takes them for
-group 0 only."""
+"""bwd_rw_early (flag of templates/sm90/attn_bwd.py.j2; default on fp8_token's D = 128 tile since round 38;
+docs/kernels/attn_bwd.md "Per-query words while Sᵀ and dPᵀ run"): column group 0's per-query words (LSE·log2 e, D, the Q
+factor) are loaded between the Sᵀ / dPᵀ issue and their wait instead of after it. CPU: on in the default render of
+fp8_token's D = 128 non-deterministic tile only; renders on fp8_token's per-token dQ-on-BF16 tiles and is refused
+elsewhere; in the rendered tile the three loads sit before `wait_group(0)` and the pass takes them for group 0 only."""
 
 from __future__ import annotations
 
@@ -23,10 +23,18 @@ def _one_tile(src: str) -> str:
     return src[i:src.index("\n    @cute.jit", i)]
 
 
-def test_off_by_default():
+def _default_on(v) -> bool:
+    return v.route == "fp8_token" and v.param("head_dim") == 128 and not dict(v.params).get("deterministic")
+
+
+def test_on_by_default_on_fp8_tokens_d128_tile_only():
     for v in BWD:
         src = render_variant(v)
-        assert "bwd_rw_early" not in rendered_params(src) and "pre_lse2" not in src, v.name
+        on = rendered_params(src).get("bwd_rw_early") is True
+        assert on is _default_on(v) and ("pre_lse2" in src) is on, v.name
+        if on:  # bwd_rw_early=False renders the kernel before round 38
+            off = render_with_flags(v, bwd_rw_early=False)
+            assert "bwd_rw_early" not in rendered_params(off) and "pre_lse2" not in off
 
 
 @pytest.mark.parametrize("v", TOKEN, ids=lambda v: v.name)
@@ -49,7 +57,16 @@ def test_refused_elsewhere(route):
         render_with_flags(v, bwd_rw_early=True)
 
 
-def test_experiment_tag_applies_to_fp8_token_only():
-    when = EXPERIMENTS["rwe"]["when"]
-    picked = {v.route for v in BWD if when(dict(v.params))}
-    assert picked == {"fp8_token"}
+def test_experiment_tags_turn_the_flag_where_it_is_not_the_default():
+    on, off = EXPERIMENTS["rwe"]["when"], EXPERIMENTS["norwe"]["when"]
+    assert {v.route for v in BWD if on(dict(v.params))} == {"fp8_token"}
+    for v in BWD:
+        p = dict(v.params)
+        assert off(p) is _default_on(v), v.name
+        assert not (on(p) and off(p)), v.name
+    for tag, want in (("kt", False), ("nokt", True)):  # bwd_no_kt's pair (round 38's other adoption)
+        when = EXPERIMENTS[tag]["when"]
+        for v in BWD:
+            if when(dict(v.params)):
+                assert (rendered_params(render_with_flags(v, **EXPERIMENTS[tag]["over"])).get("bwd_no_kt") is True) \
+                    is want and (tag == "kt") is _default_on(v), v.name
