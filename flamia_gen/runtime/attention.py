@@ -127,8 +127,10 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
         _WARNED_MISSING.add((name, str(b.root)))
         import warnings
 
-        warnings.warn(f"flamia-gen: the dispatch table chose {name}, which bundle {b.root} does not hold; running "
-                      f"{pick['name']} (not the tuned choice: build the bundle with `flamia-gen bundle --table`)",
+        chose = ("the group's analytic default (no table entry)" if dec.source == "default"
+                 else "the dispatch table's choice")
+        warnings.warn(f"flamia-gen: {chose} {name} is not in bundle {b.root}; running {pick['name']} instead "
+                      "(build the bundle with `flamia-gen bundle --table` for this GPU's table)",
                       RuntimeWarning, stacklevel=3)
     return pick
 

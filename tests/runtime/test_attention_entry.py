@@ -168,13 +168,17 @@ def test_a_table_choice_missing_from_the_bundle_runs_the_groups_default_and_warn
     monkeypatch.setattr(A, "_WARNED_MISSING", set())
     b = load_bundle(d)
     prof = DocProfile.from_lengths([4096])
-    with pytest.warns(RuntimeWarning, match="chose attn_fwd_tuned_winner, which bundle .* does not hold; running "
-                                            "attn_fwd_z_default"):
+    with pytest.warns(RuntimeWarning, match="the dispatch table's choice attn_fwd_tuned_winner is not in bundle .*; "
+                                            "running attn_fwd_z_default instead"):
         assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_z_default"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_z_default"
     Disp.defaults = {}  # no default bundled: the first member, still a kernel of the group
     assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_a_first"
+    # no table entry: the analytic default was chosen, and the warning says so rather than blaming a table
+    Disp.decide = lambda self, *a, **k: Decision("attn_fwd_untuned_default", "default", group, {})
+    with pytest.warns(RuntimeWarning, match="analytic default \\(no table entry\\) attn_fwd_untuned_default"):
+        assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_a_first"
     with pytest.raises(NoKernelError, match="no attn_fwd kernel for route='fp8_token'"):
         A._pick(b, "attn_fwd", "fp8_token", 128, False, prof)
