@@ -30,9 +30,9 @@ def _specs(path: str | None):
         raise Fail(str(e)) from None
 
 
-def _known_routes(routes) -> SpecSet:
-    """The shipped specs, after checking that every route named exists (else exit 2)."""
-    s = _specs(None)
+def _known_routes(routes, specs_dir=None) -> SpecSet:
+    """The specs (of `specs_dir`, else the shipped ones), after checking that every route named exists (else exit 2)."""
+    s = _specs(specs_dir)
     for r in routes:
         if r not in s.routes:
             raise Fail(f"unknown route {r!r}; allowed values: {sorted(s.routes)}")
@@ -317,10 +317,7 @@ def _table_bundle_names(specs_dir, arch, path, routes, head_dims):
     from .dispatch.serving import table_served_variants
     from .dispatch.table import installed_expectation, load_table
 
-    specs = _specs(specs_dir)
-    for r in routes:
-        if r not in specs.routes:
-            raise Fail(f"unknown route {r!r}; allowed values: {sorted(specs.routes)}")
+    specs = _known_routes(routes, specs_dir)
     plan = _plan(specs, arch)
     table, why = load_table(path, installed_expectation(arch, None, specs=specs, plan=plan))
     if table is None:

@@ -46,18 +46,17 @@ _two_writers = lambda p: p.get("head_dim") == 64 or p.get("v_fmt") != "e4m3" or 
 # the template's BWD_DYNAMIC_DEFAULT: no ordered dQ, no tensor-scaled dS (two launches)
 _dynamic_default = lambda p: not p.get("deterministic") and p.get("ds_gran") != "tensor"  # noqa: E731
 
-# the template's BWD_NO_KT_DEFAULT and BWD_RW_EARLY_DEFAULT (round 38): fp8_token's D = 128 tile (E4M3 scores, dQ on BF16),
-# not deterministic; rwe's own conditions (no diagonal copies, no split Q rows) hold there
-_fp8_token_d128 = lambda p: (bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")  # noqa: E731
-                             and p.get("head_dim") == 128 and not p.get("deterministic"))
-_rwe_tile = lambda p: (bwd_dq_bf16(p) and p.get("ds_gran") == "token" and not p.get("scores_bf16")  # noqa: E731
-                       and not p.get("diag_v") and not p.get("diag_k") and not p.get("rows_q"))
-
 # mxfp8's tile (32×32-block dS, no per-token K or Q rows), where bwd_dq_bf16 is an experiment (off by default)
 _dq16_square_32 = lambda p: p.get("ds_gran") == "square_32" and bwd_dq_bf16({**p, "bwd_dq_bf16": True})  # noqa: E731
 
 # the per-token dQ-on-BF16 tiles (fp8_token, fp8_token_bf16qk), where bwd_dof_fold applies
 _dq16_per_token = lambda p: bwd_dq_bf16(p) and p.get("ds_gran") == "token"  # noqa: E731
+# the E4M3-score one of them (fp8_token's: the template's dq16k), where bwd_rw_early applies (no diagonal copies, no split
+# Q rows); its D = 128 non-deterministic tile takes it and bwd_no_kt by default since round 38 (BWD_RW_EARLY_DEFAULT,
+# BWD_NO_KT_DEFAULT)
+_rwe_tile = lambda p: (_dq16_per_token(p) and not p.get("scores_bf16") and not p.get("diag_v")  # noqa: E731
+                       and not p.get("diag_k") and not p.get("rows_q"))
+_fp8_token_d128 = lambda p: _rwe_tile(p) and p.get("head_dim") == 128 and not p.get("deterministic")  # noqa: E731
 
 # the template's BWD_DQ_FIRST_DEFAULT: the per-token dQ-on-BF16 tiles at D = 64 not deterministic, at D = 128 all
 # (deterministic since round 32, fp8_token's since round 35, fp8_token_bf16qk's since round 36)

@@ -36,11 +36,10 @@ def table_served_variants(specs, arch: str, table: dict, plan, routes=(), head_d
     names: set[str] = set()
     notes: list[str] = []
     for key, g in plan_groups(plan, specs).items():
-        members = [by_name[n] for n in g.candidates]
         if head_dims and g.head_dim not in head_dims:
             continue
         if routes:
-            served = (set().union(*(_routes_of(v) for v in members)) if g.kind == "quant"
+            served = (set().union(*(_routes_of(by_name[n]) for n in g.candidates)) if g.kind == "quant"
                       else {g.route.removesuffix(DET_SUFFIX)})
             if not served & routes:
                 continue
