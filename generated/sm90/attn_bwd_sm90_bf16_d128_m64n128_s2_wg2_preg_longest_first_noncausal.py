@@ -64,6 +64,7 @@ PARAMS = {
     "bwd_head_section": 2,
     "bwd_dynamic": True,
     "bwd_dq_warp": True,
+    "bwd_ds_stsm": True,
     "bwd_dq_writers": 2,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
@@ -707,7 +708,7 @@ class AttnBwdSm90:
         tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sKb))
         # dS written from the Sᵀ accumulator layout into (keys, queries, buffer) of sdS
         sdSt = cute.composition(sdS, cute.make_ordered_layout((n, m, 2), order=(1, 0, 2)))
-        tSsdS = thr_sdp.partition_C(sdSt)
+        tSsdS = self.ds_store_copy(tiled_mma_sdp).get_slice(tidx).partition_D(sdSt)  # bwd_ds_stsm
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((n, d)), Float32)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((n, m)))
@@ -856,9 +857,7 @@ class AttnBwdSm90:
             dqf[rh] = softmax_scale
         rdS = cute.make_rmem_tensor(shape_S, self.p_dtype)
         rdS.store(acc_dP.load().to(self.p_dtype))
-        dst = tSsdS[None, None, None, buf]
-        for i in cutlass.range_constexpr(cute.size(rdS)):
-            dst[i] = rdS[i]
+        self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])
         cute.arch.fence_view_async_shared()  # generic-proxy stores → wgmma (async proxy) reads
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
@@ -918,6 +917,19 @@ class AttnBwdSm90:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    def ds_store_copy(self, tiled_mma_sdp: cute.TiledMma) -> cute.TiledCopy:
+        """bwd_ds_stsm: stmatrix.trans tiled over the Sᵀ accumulator (keys, queries) into the (keys, queries) view of sdS,
+        whose keys are contiguous: an 8×8 block's row of 8 keys is one 16-byte row of sdS."""
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                   self.p_dtype)
+        return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
+
+    @cute.jit
+    def store_ds(self, tiled_mma_sdp: cute.TiledMma, rdS: cute.Tensor, dst: cute.Tensor):
+        """This thread's dS fragment (Sᵀ accumulator layout) to its buffer of sdS, 4 stmatrix.trans."""
+        tiled = self.ds_store_copy(tiled_mma_sdp)
+        cute.copy(tiled, tiled.retile(rdS), dst)
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):

@@ -205,8 +205,8 @@ def test_bwd_experiments_variants_names_and_support():
     # deterministic ones: a third Q stage no longer fits beside dQ on BF16's K̂ tile and the dQ staging tile), 2 × r12
     # (dqw2 copies none of them: since round 32 bf16's and fp8_token's D = 128 tiles have two writers, as every D = 64
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
-    # round 32's dS by stmatrix: stsm on bf16's 4 tiles; fp8_token's 4 take it and dK after dQ by default since round 35,
-    # so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
+    # round 32's dS by stmatrix: stsm on bf16's 2 deterministic tiles (its other 2 take it by default since round 39:
+    # nostsm there); fp8_token's 4 take it and dK after dQ by default since round 35, so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair
@@ -254,10 +254,11 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag in ("stsm", "stsmdqf", "nostsm", "nodqfirst"):
             p = rendered_params(render_variant(v))
             assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
-            assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))  # fp8_token D = 128: on by default
-            if v.route == "bf16":  # every bf16 tile (stmatrix off there)
-                assert tag == "stsm"
+            if v.route == "bf16":  # stmatrix on its non-deterministic tiles since round 39 (nostsm), off on the _det
+                assert (tag == "nostsm") is not bool(dict(v.params).get("deterministic"))
+                assert tag in ("stsm", "nostsm") and "bwd_dq_first" not in p
             else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
+                assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))
                 assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")
         elif tag in ("rwe", "norwe"):  # tests/kernels/test_attn_bwd_rw_early.py (norwe: the default's undo, round 38)
             assert v.route == "fp8_token"

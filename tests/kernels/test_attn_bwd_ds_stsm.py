@@ -3,7 +3,8 @@ docs/kernels/attn_bwd.md "dS by stmatrix"). The default of the per-token dQ-on-B
 at D = 64 and of their deterministic copies since round 32 (H100: 0.95–0.98× at D = 64, 0.91–0.99× with bwd_dq_first on
 the `_det` D = 128 copies; bitwise equal), of fp8_token's D = 128 tile since round 35 (H100, with bwd_dq_first:
 0.93–0.98×, bitwise equal), and since round 36 of fp8_token_bf16qk's D = 128 tile (with two writers and bwd_dq_first:
-0.93–0.99×) and fp8_pv's non-deterministic D = 128 tile (0.965–0.989×).
+0.93–0.99×) and fp8_pv's non-deterministic D = 128 tile (0.965–0.989×), and since round 39 of the bf16 route's
+non-deterministic D = 128 tile (three runs; 1×16384 causal 0.96–0.97×, the other rows 0.98–1.00×).
 
 CPU: on in exactly those default renders, where the tile's element-wise dS stores give way to the stmatrix copy (one call
 per tile copy, none of the old loop); renders for every 16-bit dS tile when asked (bf16, fp8_pv) and is refused on the
@@ -25,7 +26,7 @@ from flamia_gen.spec import load_specs
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-ON = DQ16 + [v for v in BWD if v.route == "fp8_pv" and v.param("head_dim") == 128
+ON = DQ16 + [v for v in BWD if v.route in ("fp8_pv", "bf16") and v.param("head_dim") == 128
               and not dict(v.params).get("deterministic")]
 ELEMENTWISE = "            dst[i] = rdS[i]\n"
 STSM_CALL = "self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])"
@@ -36,9 +37,9 @@ def _one_tile(src: str) -> str:
     return src[start:src.index("\n    @cute.jit", start)]
 
 
-def test_default_on_the_per_token_dq16_tiles_and_fp8_pv_d128():
-    # two routes × D × causal or not × det or not + fp8_pv's D = 128 non-deterministic tile (causal or not)
-    assert len(ON) == 18
+def test_default_on_the_per_token_dq16_tiles_and_fp8_pv_and_bf16_d128():
+    # two routes × D × causal or not × det or not + fp8_pv's and bf16's D = 128 non-deterministic tiles (causal or not)
+    assert len(ON) == 20
     for v in BWD:
         src = render_variant(v)
         on = v in ON
@@ -82,10 +83,10 @@ def test_ab_tags():
         assert all("bwd_ds_stsm" not in base(v) for v in tags["stsm"] + tags["stsmdqf"])
         assert all(base(v).get("bwd_ds_stsm") is True for v in tags["nostsm"])
         assert {v.route for v in tags["nostsm"]} == (
-            {"fp8_token", "fp8_token_bf16qk"} | ({"fp8_pv"} if hd == 128 else set()))
-        # stsm: bf16 (causal or not, det or not: 4) and fp8_pv's tiles without it (D = 128: the deterministic 2, D = 64:
-        # all 4); nostsm on every per-token tile (8) and, at D = 128, fp8_pv's non-deterministic 2
-        assert len(tags["stsm"]) == (6 if hd == 128 else 8) and len(tags["nostsm"]) == (10 if hd == 128 else 8)
+            {"fp8_token", "fp8_token_bf16qk"} | ({"fp8_pv", "bf16"} if hd == 128 else set()))
+        # stsm: the bf16 and fp8_pv tiles without it (D = 128: the deterministic 2 of each; D = 64: all 4 of each);
+        # nostsm on every per-token tile (8) and, at D = 128, fp8_pv's and bf16's non-deterministic 2
+        assert len(tags["stsm"]) == (4 if hd == 128 else 8) and len(tags["nostsm"]) == (12 if hd == 128 else 8)
         assert len(tags["stsmdqf"]) == 0  # every per-token tile has both since round 36
 
 
