@@ -206,7 +206,8 @@ def test_bwd_experiments_variants_names_and_support():
     # (dqw2 copies none of them: since round 32 bf16's and fp8_token's D = 128 tiles have two writers, as every D = 64
     # tile; norowpad and rowswz only fp8_pv's tile, dq16sq only mxfp8's)
     # round 32's dS by stmatrix: stsm on bf16's 2 deterministic tiles (its other 2 take it by default since round 39:
-    # nostsm there); fp8_token's 4 take it and dK after dQ by default since round 35, so nostsm on those 4, no stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
+    # nostsm there); fp8_token's 4 take it and dK after dQ by default since round 35, so nostsm on those 4, no
+    # stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair

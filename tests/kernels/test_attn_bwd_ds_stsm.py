@@ -4,7 +4,7 @@ at D = 64 and of their deterministic copies since round 32 (H100: 0.95–0.98× 
 the `_det` D = 128 copies; bitwise equal), of fp8_token's D = 128 tile since round 35 (H100, with bwd_dq_first:
 0.93–0.98×, bitwise equal), and since round 36 of fp8_token_bf16qk's D = 128 tile (with two writers and bwd_dq_first:
 0.93–0.99×) and fp8_pv's non-deterministic D = 128 tile (0.965–0.989×), and since round 39 of the bf16 route's
-non-deterministic D = 128 tile (three runs; 1×16384 causal 0.96–0.97×, the other rows 0.98–1.00×).
+non-deterministic D = 128 tile (three runs; 1×16384 causal 0.96–0.98×, the other rows 0.97–1.00×).
 
 CPU: on in exactly those default renders, where the tile's element-wise dS stores give way to the stmatrix copy (one call
 per tile copy, none of the old loop); renders for every 16-bit dS tile when asked (bf16, fp8_pv) and is refused on the
