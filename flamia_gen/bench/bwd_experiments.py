@@ -67,9 +67,8 @@ _dq_first_default = lambda p: _dq16_per_token(p) and (  # noqa: E731
 # fp8_token's D = 128 tile since round 35, fp8_token_bf16qk's since round 36), fp8_pv's non-deterministic D = 128
 # tile (BF16 dS; round 36) and the bf16 route's (round 39)
 _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
-    p.get("v_fmt") == "e4m3" and p.get("ds_fmt") == "bf16" and p.get("head_dim") == 128
-    and not p.get("deterministic")) or (
-    p.get("v_fmt") != "e4m3" and p.get("head_dim") == 128 and not p.get("deterministic"))
+    (p.get("ds_fmt") == "bf16" or p.get("v_fmt") != "e4m3") and p.get("head_dim") == 128
+    and not p.get("deterministic"))
 
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
 _ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731
