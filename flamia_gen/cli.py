@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .console import make_console
 from .spec import Arch, SpecError, SpecSet, load_specs
 
-console = Console()
+console = make_console()
 ARCHS = [a.value for a in Arch]
 
 

@@ -155,11 +155,9 @@ def run_bench(workloads: str | Sequence[str | Workload], impls: str | Sequence[s
     if device.startswith("cuda") and no_cuda_reason():
         raise NoCudaError("no CUDA device: flamia-gen bench needs a GPU")
     if console is None and not quiet:
-        from rich.console import Console
+        from ..console import make_console
 
-        console = Console()
-        if not console.is_terminal:  # a log file or a pipe: no 80-column squeeze
-            console = Console(width=200)
+        console = make_console()
 
     def log(msg: str) -> None:
         if console is not None and not quiet:

@@ -13,12 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from ..console import make_console
 from ..spec import Arch, KernelKind, SpecError
 
-console = Console()
+console = make_console()
 ARCHS = [a.value for a in Arch]
 KINDS = [k.value for k in KernelKind]
 
