@@ -84,11 +84,20 @@ def fastest_peer(rows: Sequence[BenchRow], workload: str, mode: str) -> BenchRow
 
 # ----------------------------------------------------------------- metadata
 
-def _git_commit() -> str | None:
+def _git_commit(where: Path | None = None) -> str | None:
+    """HEAD's short hash, with "-dirty" when tracked files differ from it: a GPU host's copy of the
+    tree can sit on an older commit with newer files laid over it, and the bare hash would name code
+    that did not run."""
+    cwd = where or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+                             text=True, timeout=5, cwd=cwd)
+        head = out.stdout.strip()
+        if not head:
+            return None
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                            text=True, timeout=10, cwd=cwd)
+        return head + ("-dirty" if st.returncode == 0 and st.stdout.strip() else "")
     except Exception:
         return None
 

@@ -101,3 +101,28 @@ def test_chart_is_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     assert write_chart(tmp_path / "none.png", [r for r in rows if r.status != "ok"]) is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path):
+    """A GPU host's copy of the tree can sit on an older commit with newer files over it: the recorded commit
+    must say so rather than name code that did not run."""
+    import shutil
+    import subprocess
+
+    from flamia_gen.bench.report import _git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    env = ["-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(["git", *env, "-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run(["git", *env, "-C", str(tmp_path), "commit", "-qm", "c"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "b.py").write_text("untracked\n")  # untracked files (outputs, bundles) do not count
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _git_commit(tmp_path) == head + "-dirty"
+    assert _git_commit(tmp_path / "nowhere") is None
