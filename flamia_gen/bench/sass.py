@@ -142,9 +142,15 @@ def _tool(name: str) -> str:
     raise SystemExit(f"{name} not found: put it on PATH, set FLAMIA_GEN_CUDA_BIN, or pip install nvidia-cuda-{name}")
 
 
+def is_cubin(blob: bytes) -> bool:
+    """`blob` is itself a CUDA ELF (a `.cubin`, e.g. one a peer's DSL build kept with `CUTE_DSL_KEEP=cubin`)."""
+    return len(blob) >= 64 and blob[:4] == b"\x7fELF" and struct.unpack_from("<H", blob, 18)[0] == EM_CUDA
+
+
 def describe(so: str, dump: str | None = None) -> dict:
-    """{resources, loops} of the (single) kernel cubin in `so` (a bundle `.so` or the build's `.o`)."""
-    cubins = extract_cubins(Path(so).read_bytes())
+    """{resources, loops} of the (single) kernel cubin in `so` (a bundle `.so`, the build's `.o`, or a `.cubin`)."""
+    blob = Path(so).read_bytes()
+    cubins = [blob] if is_cubin(blob) else extract_cubins(blob)
     if not cubins:
         raise SystemExit(f"{so}: no embedded sm_XX cubin found")
     with tempfile.TemporaryDirectory() as td:
@@ -161,7 +167,7 @@ def describe(so: str, dump: str | None = None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("so", nargs="+", help="bundle kernel .so files")
+    ap.add_argument("so", nargs="+", help="bundle kernel .so files (or .cubin files)")
     ap.add_argument("--dump", default=None, help="write the first file's SASS here")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="also the N most frequent opcodes of each file's largest tile loop, one column per file")

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from flamia_gen.bench.sass import extract_cubins, tile_loops
+from flamia_gen.bench.sass import extract_cubins, is_cubin, tile_loops
 
 
 def _elf(machine: int, sections: list[tuple[int, int, int]], payload: int = 96) -> bytes:
@@ -38,6 +38,12 @@ def test_extract_cubins_cuts_each_embedded_cuda_elf():
     got = extract_cubins(blob)
     assert got == [cubin, cubin]
     assert extract_cubins(b"no elf here") == []
+
+
+def test_a_plain_cubin_is_told_from_a_host_object():
+    assert is_cubin(_elf(190, [(1, 64, 96)]))
+    assert not is_cubin(_elf(62, [(1, 64, 32)]))  # an x86-64 .so / .o: its cubins are embedded, cut them out
+    assert not is_cubin(b"\x7fELF")
 
 
 def test_tile_loops_counts_innermost_loops_with_wgmma():
