@@ -161,6 +161,10 @@ EXPERIMENTS: dict[str, dict] = {
                 note="column group 0's per-query words (LSE, D, Q factor) loaded between the Sᵀ/dPᵀ issue and their wait"),
     "norwe": dict(over={"bwd_rw_early": False}, when=_fp8_token_d128,
                   note="column group 0's per-query words loaded after the Sᵀ/dPᵀ wait (the kernel before round 38)"),
+    # bwd_dq_scale_late (fortieth session; FA4's SASS: its tile leaves dQ's scale to the post-processing): the bf16
+    # route's dQ partial without its softmax-scale multiply; the runtime's dQ conversion scales once (dQ to the last bits)
+    "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+                 note="dQ partial reduce-added unscaled; the dQ conversion multiplies by the softmax scale"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the

@@ -609,11 +609,21 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if two_pass:
         by_name["amax_pass"] = 0
         fn(*[by_name[a["name"]] for a in args_spec])
-    # the dQ "convert kernel": the partials already carry softmax_scale and the dS scales
-    if params.get("bwd_dq_tile_copy"):
-        # head-major, chunk-swizzled accumulator → dQ in one pass (the 4th output stays the kernel's own storage)
-        return dq_accum_natural(dq_accum, torch.bfloat16), dk, dv, dq_accum
-    return dq_accum.to(torch.bfloat16), dk, dv, dq_accum
+    return dq_from_accum(dq_accum, params, softmax_scale), dk, dv, dq_accum
+
+
+def dq_from_accum(dq_accum, params: dict, softmax_scale: float):
+    """The dQ "convert kernel": BF16 dQ of the kernel's fp32 accumulator, in one pass. The partials carry
+    softmax_scale and the dS scales, except where the kernel leaves the scale to this pass
+    (`bwd_dq_scale_late`, bf16 route): then the pass multiplies by it (computed in fp32, rounded once to BF16).
+    A `bwd_dq_tile_copy` accumulator is head-major and chunk-swizzled: put back in natural order first."""
+    if not params.get("bwd_dq_scale_late"):
+        if params.get("bwd_dq_tile_copy"):
+            return dq_accum_natural(dq_accum, torch.bfloat16)
+        return dq_accum.to(torch.bfloat16)
+    acc = dq_accum_natural(dq_accum) if params.get("bwd_dq_tile_copy") else dq_accum
+    out = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
+    return torch.mul(acc, float(softmax_scale), out=out)
 
 
 def dq_accum_natural(acc, dtype=None):
@@ -641,4 +651,4 @@ __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
-           "num_dq_tiles", "dq_tile_offsets", "is_deterministic_spec", "check_deterministic"]
+           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "is_deterministic_spec", "check_deterministic"]

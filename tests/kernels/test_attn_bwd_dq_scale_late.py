@@ -1,0 +1,107 @@
+"""dQ's softmax scale left to the dQ conversion (flag `bwd_dq_scale_late`, experiment, off; templates/sm90/attn_bwd.py.j2;
+docs/kernels/attn_bwd.md "SASS of FA4's sm90 backward against ours"): the bf16 route's dQ partial is reduce-added
+without its multiply by the softmax scale (FA4's tile does the same and scales in its post-processing), and
+`runtime.attn_bwd.dq_from_accum` multiplies once while it converts dq_accum to BF16.
+
+CPU: off in every default render; on, the bf16 tiles' dQ partial loses exactly its multiply (every dQ store path:
+the writer warp's staging stores and the direct reduce-adds) and the params say so, so the runtime scales; refused on
+the FP8 routes (their row factor is not the softmax scale alone). The conversion: one fp32 multiply, one rounding to
+BF16, in natural order for a chunk-swizzled accumulator. `-m compile`: the sm_90a tile loop has 32 FMUL a tile fewer.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jinja2
+import pytest
+import torch
+
+from flamia_gen.plan import make_plan
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
+from flamia_gen.runtime.attn_bwd import dq_accum_natural, dq_from_accum
+from flamia_gen.spec import load_specs
+
+PLAN = make_plan(load_specs(), arch="sm90")
+BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
+BF16 = [v for v in BWD if v.route == "bf16"]
+SCALED = ("acc_dQ[2 * j] * f", "acc_dQ[2 * j + 1] * f")
+
+
+def _one_tile(src: str) -> str:
+    start = src.index("    def one_tile(")
+    return src[start:src.index("\n    @cute.jit", start)]
+
+
+def test_off_by_default_everywhere():
+    for v in BWD:
+        assert "bwd_dq_scale_late" not in rendered_params(render_variant(v)), v.name
+
+
+@pytest.mark.parametrize("v", BF16, ids=lambda v: v.name)
+def test_bf16_tiles_lose_exactly_the_partial_multiply(v):
+    off, on = _one_tile(render_with_flags(v, bwd_dq_scale_late=False)), render_with_flags(v, bwd_dq_scale_late=True)
+    assert rendered_params(on)["bwd_dq_scale_late"] is True
+    tile = _one_tile(on)
+    assert any(s in off for s in SCALED), v.name  # the default scales each partial ...
+    assert not any(s in tile for s in SCALED), v.name  # ... the flag scales none
+    # the partials still reach dq_accum (staging stores or reduce-adds), unscaled
+    assert "v2[0] = acc_dQ[2 * j]  #" in tile or "red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j], acc_dQ[2 * j + 1])" in tile
+    # nothing else in the tile changes: removing the flag's lines from `on` gives `off` less the multiplies
+    assert tile.replace("  # bwd_dq_scale_late: the runtime scales dq_accum once", "").count("acc_dQ[2 * j]") \
+        == off.count("acc_dQ[2 * j]")
+
+
+@pytest.mark.parametrize("route", ["fp8_token", "fp8_pv", "mxfp8", "fp8_tensor"])
+def test_refused_on_fp8_routes(route):
+    v = next(x for x in BWD if x.route == route)
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_dq_scale_late"):
+        render_with_flags(v, bwd_dq_scale_late=True)
+
+
+def test_conversion_scales_once_in_fp32_then_rounds():
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randn(37, 4, 64, generator=g) * 3
+    scale = 128 ** -0.5
+    got = dq_from_accum(acc, {"bwd_dq_scale_late": True}, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == acc.shape
+    assert torch.equal(got, (acc * scale).to(torch.bfloat16))
+    assert not torch.equal(got, acc.to(torch.bfloat16))  # the scale was applied
+    # without the flag the accumulator already carries the scale: a plain rounding
+    assert torch.equal(dq_from_accum(acc, {}, scale), acc.to(torch.bfloat16))
+
+
+def test_conversion_of_a_chunk_swizzled_accumulator():
+    acc = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(1))
+    p = {"bwd_dq_tile_copy": True}
+    assert torch.equal(dq_from_accum(acc, p, 0.3), dq_accum_natural(acc, torch.bfloat16))
+    assert torch.equal(dq_from_accum(acc, {**p, "bwd_dq_scale_late": True}, 0.3),
+                       (dq_accum_natural(acc) * 0.3).to(torch.bfloat16))
+
+
+def test_ab_tag_builds_on_the_bf16_tiles_only():
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
+    got = [v for t, v in experiment_variants(("dqsl",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqsl"]
+    assert got and all(v.route == "bf16" for v in got)
+    assert len(got) == sum(1 for v in bwd if v.route == "bf16")
+    assert all(dict(v.params).get("bwd_dq_scale_late") is True for v in got)
+
+
+@pytest.mark.compile
+def test_compile_drops_the_partial_multiplies(compile_sm90):
+    """bf16 D = 128 causal: the flag's PTX has 32 fp32 multiplies a tile copy fewer (the dQ partial of the thread's
+    32 accumulator words), and no other arithmetic changes count."""
+    v = next(x for x in BF16 if x.param("head_dim") == 128 and x.param("causal")
+             and not dict(x.params).get("deterministic"))
+
+    def counts(ptx):
+        return {op: len(re.findall(rf"^\s*{re.escape(op)}\s", ptx, re.M))
+                for op in ("mul.f32", "mul.rn.f32", "sub.f32", "ex2.approx.ftz.f32")}
+    on = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=True)))
+    off = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=False)))
+    muls = (off["mul.f32"] + off["mul.rn.f32"]) - (on["mul.f32"] + on["mul.rn.f32"])
+    assert muls == 64, (on, off)  # 32 words × the tile's two copies (interior and masked)
+    assert off["sub.f32"] > 0 and off["ex2.approx.ftz.f32"] == 64  # the softmax and dS arithmetic is there ...
+    assert (on["sub.f32"], on["ex2.approx.ftz.f32"]) == (off["sub.f32"], off["ex2.approx.ftz.f32"])  # ... unchanged
