@@ -162,9 +162,10 @@ EXPERIMENTS: dict[str, dict] = {
     "norwe": dict(over={"bwd_rw_early": False}, when=_fp8_token_d128,
                   note="column group 0's per-query words loaded after the Sᵀ/dPᵀ wait (the kernel before round 38)"),
     # bwd_dq_scale_late (fortieth session; FA4's SASS: its tile leaves dQ's scale to the post-processing): the bf16
-    # route's dQ partial without its softmax-scale multiply; the runtime's dQ conversion scales once (dQ to the last bits)
-    "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
-                 note="dQ partial reduce-added unscaled; the dQ conversion multiplies by the softmax scale"),
+    # route's dQ partial without its softmax-scale multiply, and since the forty-first the per-token dQ-on-BF16 tiles'
+    # without softmax_scale·2^edo; the runtime's dQ conversion applies the row factor once (dQ to the last bits)
+    "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _dq16_per_token(p),
+                 note="dQ partial reduce-added without its row factor; the dQ conversion multiplies by it"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the

@@ -609,21 +609,38 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if two_pass:
         by_name["amax_pass"] = 0
         fn(*[by_name[a["name"]] for a in args_spec])
-    return dq_from_accum(dq_accum, params, softmax_scale), dk, dv, dq_accum
+    return dq_from_accum(dq_accum, params, softmax_scale, do_scale if fp8 else None), dk, dv, dq_accum
 
 
-def dq_from_accum(dq_accum, params: dict, softmax_scale: float):
+def dq_from_accum(dq_accum, params: dict, softmax_scale: float, do_scale=None):
     """The dQ "convert kernel": BF16 dQ of the kernel's fp32 accumulator, in one pass. The partials carry
-    softmax_scale and the dS scales, except where the kernel leaves the scale to this pass
-    (`bwd_dq_scale_late`, bf16 route): then the pass multiplies by it (computed in fp32, rounded once to BF16).
-    A `bwd_dq_tile_copy` accumulator is head-major and chunk-swizzled: put back in natural order first."""
+    softmax_scale and the dS scales, except where the kernel leaves the row factor to this pass
+    (`bwd_dq_scale_late`): then the pass multiplies by it, computed in fp32 and rounded once to BF16 — the softmax
+    scale on the bf16 route; on the per-token FP8 tiles (`bwd_dof_fold`) softmax_scale·2^edo per (token, query head),
+    2^edo built from dO's scale code `do_scale` (T, HQ) uint8 with the kernel's bits: code << 23 as fp32 (code 0 → 0),
+    and 1 for the NaN code 255. A `bwd_dq_tile_copy` accumulator is head-major and chunk-swizzled: put back in
+    natural order first."""
     if not params.get("bwd_dq_scale_late"):
         if params.get("bwd_dq_tile_copy"):
             return dq_accum_natural(dq_accum, torch.bfloat16)
         return dq_accum.to(torch.bfloat16)
     acc = dq_accum_natural(dq_accum) if params.get("bwd_dq_tile_copy") else dq_accum
     out = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
+    if params.get("do_fmt", "bf16") != "bf16":  # FP8 dO: the row factor has dO's exponent
+        if do_scale is None:
+            raise ValueError("dq_from_accum: a bwd_dq_scale_late FP8 kernel leaves softmax_scale·2^edo to the dQ "
+                             "conversion, which needs do_scale (T, HQ) uint8; none was given")
+        return torch.mul(acc, dq_row_factor(do_scale, softmax_scale).unsqueeze(-1), out=out)
     return torch.mul(acc, float(softmax_scale), out=out)
+
+
+def dq_row_factor(do_scale, softmax_scale: float):
+    """softmax_scale·2^edo per (token, query head) as the FP8 tile's producer builds it (bwd_dof_fold's word 4): the
+    code's bits shifted into an fp32 exponent, 1 for the NaN code 255 (a NaN dO row keeps factor 1), times the scale
+    in fp32 (exact: a power of two, unless it leaves fp32's normal range)."""
+    # Python scalars only: no host-to-device copy, so the op stays capturable in a CUDA graph
+    c = do_scale.to(torch.int32)
+    return torch.where(c == 255, 1.0, (c << 23).view(torch.float32)) * float(softmax_scale)
 
 
 def dq_accum_natural(acc, dtype=None):
@@ -651,4 +668,4 @@ __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
-           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "is_deterministic_spec", "check_deterministic"]
+           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "is_deterministic_spec", "check_deterministic"]

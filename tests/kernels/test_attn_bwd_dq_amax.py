@@ -210,9 +210,9 @@ def test_bwd_experiments_variants_names_and_support():
     # stsmdqf (and nodqfirst on the 4, dqfirst on none: the 4 of the 4 × 6)
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
-    # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's scale
-    # left to the conversion) on bf16's 4
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 4
+    # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
+    # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles)
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -271,7 +271,9 @@ def test_bwd_experiments_variants_names_and_support():
             assert p.get("bwd_kv_early" if tag == "kvearly" else "bwd_q_ahead") is True
             assert v.route == "fp8_token" or tag == "qahead"
         elif tag == "dqsl":  # dQ's scale left to the conversion (tests/kernels/test_attn_bwd_dq_scale_late.py)
-            assert v.route == "bf16" and rendered_params(render_variant(v)).get("bwd_dq_scale_late") is True
+            p = rendered_params(render_variant(v))
+            assert p.get("bwd_dq_scale_late") is True
+            assert v.route == "bf16" or (v.route == "fp8_token" and p.get("bwd_dof_fold") is True)
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render_fp8_dq(v)
