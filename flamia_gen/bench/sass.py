@@ -1,5 +1,7 @@
 """SASS of a bundle kernel, on the build machine: the cubin inside an exported `.so`, its resource usage and its
 tile loops (instructions, spills, ex2 per loop), so a template change can be checked for spills before any GPU time.
+A loop that holds both copies of a tile (interior and masked, one issued per iteration) is also split into its two
+paths: a tile's instructions are a path's, not the loop's.
 
     python -m flamia_gen.bench.sass .dev/bundle-exp/kernels/attn_fwd_..._xwgskip.so [--dump out.sass]
     python -m flamia_gen.bench.sass A.so B.so          # the same table for two builds, side by side
@@ -75,17 +77,55 @@ def tile_loops(sass: str, mma: str = "GMMA") -> list[dict]:
         m = _BACK.search(ln)
         if not m or m.group(1) not in labels or labels[m.group(1)] >= n:
             continue
-        body = [x for x in lines[labels[m.group(1)]:n + 1] if _INSTR.search(x)]
+        region = lines[labels[m.group(1)]:n + 1]
+        body = [x for x in region if _INSTR.search(x)]
         g = sum(mma in x for x in body)
         if g:
             loops.append(dict(label=m.group(1), start=labels[m.group(1)], end=n, instructions=len(body), wgmma=g,
                               stl=sum("STL" in x for x in body), ldl=sum("LDL" in x for x in body),
                               ex2=sum("MUFU.EX2" in x for x in body), bar=sum(" BAR." in x for x in body),
-                              waited=waited_wgmma(body, mma), ops=opcode_counts(body)))
+                              waited=waited_wgmma(body, mma), ops=opcode_counts(body),
+                              paths=loop_paths(region, mma)))
     # innermost: a loop that contains no other listed loop
     inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
                                            for o in loops)]
     return sorted(inner, key=lambda lp: lp["start"])
+
+
+_UNCOND_BRA = re.compile(r"\*/\s+BRA `\(\.(L_x_\d+)\)")
+
+
+def loop_paths(region: list[str], mma: str = "GMMA") -> list[dict] | None:
+    """The two ways through a loop body that holds two copies of a tile (the template's `one_tile` called for interior
+    and for masked tiles): head, then either copy 1 and an unconditional BRA over copy 2 to the tail, or a branch from
+    the head to copy 2, which falls through to the tail. One iteration issues one path, so a tile's instructions are
+    a path's, not the loop's (the loop holds both copies). → [path 1, path 2] (instructions, wgmma, STL, LDL, FMUL,
+    and the opcode counts), or None for a loop without that shape."""
+    idx, lab = [], {}
+    for ln in region:
+        m = _LABEL.match(ln.strip())
+        if m:
+            lab[m.group(1)] = len(idx)  # the instruction index the label stands before
+        elif _INSTR.search(ln):
+            idx.append(ln)
+    for b, ln in enumerate(idx):
+        m = _UNCOND_BRA.search(ln)
+        if not m or lab.get(m.group(1), -1) <= b:
+            continue
+        tail = lab[m.group(1)]
+        # copy 2 starts at the first label after the BRA; the head is what precedes the branch that jumps there
+        c2 = min((i for i in lab.values() if i == b + 1), default=None)
+        names = [k for k, v in lab.items() if v == c2]
+        heads = [i for i, x in enumerate(idx[:b]) if any(f"`(.{k})" in x for k in names)]
+        if c2 is None or not heads:
+            return None
+        h = heads[0]
+        p1 = idx[:b + 1] + idx[tail:]
+        p2 = idx[:h + 1] + idx[c2:]
+        return [dict(instructions=len(p), wgmma=sum(mma in x for x in p), stl=sum("STL" in x for x in p),
+                     ldl=sum("LDL" in x for x in p), fmul=sum(" FMUL " in x for x in p), ops=opcode_counts(p))
+                for p in (p1, p2)]
+    return None
 
 
 _OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
@@ -180,6 +220,10 @@ def main(argv=None) -> int:
             print(f"  tile loop {lp['label']}: {lp['instructions']} instr, {lp['wgmma']} wgmma "
                   f"({lp['waited']} waited{', SERIALISED' if serialised(lp) else ''}), "
                   f"STL {lp['stl']} / LDL {lp['ldl']}, EX2 {lp['ex2']}, BAR {lp['bar']}")
+            if lp.get("paths"):  # two copies of the tile: an iteration issues one of them
+                print("    paths (one a tile): " + " | ".join(
+                    f"{p['instructions']} instr, {p['wgmma']} wgmma, FMUL {p['fmul']}, STL {p['stl']} / LDL {p['ldl']}"
+                    for p in lp["paths"]))
         largest.append(max(d["loops"], key=lambda lp: lp["instructions"])["ops"] if d["loops"] else {})
     if a.ops:
         print(ops_table(largest, a.ops))

@@ -123,3 +123,29 @@ def test_opcode_counts_and_the_side_by_side_table():
     t = ops_table([lp["ops"], {"FMUL": 5, "LDS": 1}], 3).splitlines()
     assert t[0].split() == ["opcode", "#1", "#2"]
     assert [r.split() for r in t[1:]] == [["FMUL", "2", "5"], ["QGMMA", "3", "0"], ["WARPGROUP", "2", "0"]]
+
+
+def test_a_loop_with_two_tile_copies_splits_into_its_two_paths():
+    """The template's tile loop holds one_tile twice (interior, masked); an iteration issues one copy: head, then
+    copy 1 and a BRA over copy 2 to the tail, or a branch from the head to copy 2. A tile's instructions are a path's
+    (the fortieth session read the loop's 1103 as two tiles of 552; the interior path is 415)."""
+    a = iter(range(0, 1 << 16, 16))
+
+    def ins(txt):
+        return f"        /*{next(a):04x}*/ {txt} ;"
+    sass = "\n".join(
+        [".L_x_7:", ins("ISETP.GT.AND P2, PT, R6, R17, PT"), ins("@P2 BRA `(.L_x_8)"),  # head: 2
+         ins("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ"), ins("FMUL R1, R1, R2"), ins("FMUL R1, R1, R2"),
+         ins("LDL R9, [R1+0x4]"), ins("BRA `(.L_x_9)"),  # copy 1: 5
+         ".L_x_8:", ins("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ"), ins("ISETP.GE.AND P3, PT, R4, R5, PT"),
+         ins("FSEL R3, R3, RZ, !P3"), ins("FMUL R1, R1, R2"), ins("STL [R1+0x4], R0"),
+         ins("FSEL R4, R4, RZ, !P3"),  # copy 2: 6
+         ".L_x_9:", ins("IADD3 R0, R0, 1, RZ"), ins("@P0 BRA `(.L_x_7)")])  # tail: 2
+    lp = tile_loops(sass)[0]
+    assert lp["instructions"] == 15
+    p1, p2 = lp["paths"]
+    assert (p1["instructions"], p1["wgmma"], p1["fmul"], p1["stl"], p1["ldl"]) == (2 + 5 + 2, 1, 2, 0, 1)
+    assert (p2["instructions"], p2["wgmma"], p2["fmul"], p2["stl"], p2["ldl"]) == (2 + 6 + 2, 1, 1, 1, 0)
+    assert p2["ops"]["FSEL"] == 2 and "FSEL" not in p1["ops"]
+    # a loop without the shape has no paths
+    assert tile_loops(_loop([8, 4], False))[0]["paths"] is None
