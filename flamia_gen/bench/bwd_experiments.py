@@ -109,8 +109,9 @@ EXPERIMENTS: dict[str, dict] = {
                note="the Kᵀ tile loaded though nothing reads it (the kernel before round 38)"),
     # bwd_dq_first (twenty-sixth session; H200 round 30: D = 128 1.00–1.03×, off; D = 64 0.96–0.99× over the swizzle and
     # dO's fold, the default of the per-token tiles' non-deterministic D = 64 copies): dK issued after dQ, dQ waited alone
+    # ... and (forty-first session) on the bf16 route's tiles, where it is FA4's order
     "dqfirst": dict(over={"bwd_dq_first": True},
-                    when=lambda p: bwd_dq_bf16(p) and not _dq_first_default(p),
+                    when=lambda p: (bwd_dq_bf16(p) and not _dq_first_default(p)) or p.get("v_fmt") != "e4m3",
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
     "nodqfirst": dict(over={"bwd_dq_first": False}, when=_dq_first_default,
                       note="dK issued before the dS barrier, dQ waited with it (the kernel before round 30 at D = 64, "
@@ -166,6 +167,9 @@ EXPERIMENTS: dict[str, dict] = {
     # without softmax_scale·2^edo; the runtime's dQ conversion applies the row factor once (dQ to the last bits)
     "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _dq16_per_token(p),
                  note="dQ partial reduce-added without its row factor; the dQ conversion multiplies by it"),
+    # both on the bf16 tile (forty-first session): FA4's order and FA4's dQ scale
+    "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+                  note="bwd_dq_first and bwd_dq_scale_late on the bf16 tile"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),
     # three Q/dO stages instead of two (the producer sleeps in its empty-wait; a later wake-up then shows as the
