@@ -211,8 +211,9 @@ def test_bwd_experiments_variants_names_and_support():
     # (and dqtile on the 4 with a writer warp); the unit boundary's kvearly on fp8_token's 4, qahead on all 8; round
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
-    # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles)
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
+    # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles); round
+    # 41's dqfirst on bf16's 4 (FA4's order; fp8_token's have it by default) and dqfsl (both) on bf16's 4
+    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4 + 4
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -244,7 +245,13 @@ def test_bwd_experiments_variants_names_and_support():
             assert v.route == "fp8_token" and ('"bwd_no_kt": True' in src) is (tag == "nokt")
             assert bool(dict(v.params).get("deterministic")) is (tag == "nokt")
         elif tag == "dqfirst":
-            assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
+            if v.route == "bf16":
+                assert rendered_params(render_variant(v)).get("bwd_dq_first") is True
+            else:
+                assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
+        elif tag == "dqfsl":
+            p = rendered_params(render_variant(v))
+            assert v.route == "bf16" and p.get("bwd_dq_first") is True and p.get("bwd_dq_scale_late") is True
         elif tag == "nodoffold":
             src = render_variant(v)
             assert v.route == "fp8_token" and '"bwd_dof_fold"' not in src and '"bwd_row_swz": True' in src

@@ -6,8 +6,9 @@ templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dK after dQ").
 
 CPU: on in exactly those default renders; where the flag renders, one_tile issues dK = dSᵀ·Q right after dQ = dS·K, waits with
 one group left in flight (dK), and releases the Q stage (dK's B operand) only after a full wait at the tile's end;
-refused where dQ is not on BF16. `-m compile`: cross-compiles for sm_90a without ptxas serialising the wgmmas (the
-SASS; fp8_pv's tile did serialise with it, which is why the flag is built for the dq16 tiles only).
+refused where dQ is not on BF16 (except the bf16 route, where it is an experiment since the forty-first session: FA4's
+order). `-m compile`: cross-compiles for sm_90a without ptxas serialising the wgmmas (the SASS; fp8_pv's tile did
+serialise with it, which is why the flag is built for the dq16 tiles and the bf16 route only).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
 
 @pytest.mark.parametrize("v", [next(v for v in DQ16 if v.route == r and v.param("causal")
                                     and v.param("head_dim") == d) for r in ("fp8_token", "fp8_token_bf16qk")
-                               for d in (64, 128)], ids=lambda v: v.name)
+                               for d in (64, 128)]
+                         + [next(v for v in BWD if v.route == "bf16" and v.param("causal") and v.param("head_dim") == d
+                                 and not dict(v.params).get("deterministic")) for d in (64, 128)],
+                         ids=lambda v: v.name)
 def test_dk_after_dq_and_the_stage_released_after_dk(v):
     on, off = _one_tile(render_with_flags(v, bwd_dq_first=True)), _one_tile(render_with_flags(v, bwd_dq_first=False))
     assert _one_tile(render_variant(v)) == (on if v in ON else off)
@@ -63,7 +67,7 @@ def test_dk_after_dq_and_the_stage_released_after_dk(v):
             assert src[last_wait:rel].count("\n") <= 2  # released right after the full wait
 
 
-@pytest.mark.parametrize("v", [next(x for x in BWD if x.route == r) for r in ("fp8_pv", "bf16", "mxfp8", "fp8_tensor")]
+@pytest.mark.parametrize("v", [next(x for x in BWD if x.route == r) for r in ("fp8_pv", "mxfp8", "fp8_tensor")]
                          + [next(x for x in DQ16 if x.route == "fp8_token")], ids=lambda v: v.name)
 def test_refused_without_dq_on_bf16(v):
     over = {"bwd_dq_bf16": False} if v.route == "fp8_token" else {}
@@ -74,14 +78,15 @@ def test_refused_without_dq_on_bf16(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    # D = 128: every per-token tile has it; D = 64: the det ones lack it
-    for hd, n_on, n_off in ((128, 0, 8), (64, 4, 4)):
+    # D = 128: every per-token tile has it; D = 64: the det ones lack it; the bf16 route's 4 tiles lack it at both
+    for hd, n_on, n_off in ((128, 4, 8), (64, 8, 4)):
         bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"), head_dim=hd)
         on = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqfirst"]
         off = [v for t, v in experiment_variants(("nodqfirst",), base_variants=bwd, experiments=EXPERIMENTS)
                if t == "nodqfirst"]
         assert len(on) == n_on and len(off) == n_off
-        assert {v.route for v in on + off} == {"fp8_token", "fp8_token_bf16qk"}
+        assert {v.route for v in off} == {"fp8_token", "fp8_token_bf16qk"}
+        assert {v.route for v in on} == ({"bf16"} if hd == 128 else {"bf16", "fp8_token", "fp8_token_bf16qk"})
         # each tag turns the flag the other way from its base kernel's default (the tags' `when` mirrors the template)
         base = lambda v: rendered_params(  # noqa: E731
             render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x"))))
@@ -90,14 +95,15 @@ def test_ab_tag():
 
 
 @pytest.mark.compile
-def test_compile_dq_first_not_serialised(compile_sm90, tmp_path):
-    """The flagged fp8_token D = 128 tile compiles for sm_90a and ptxas keeps its wgmmas asynchronous (the SASS)."""
+@pytest.mark.parametrize("route", ["fp8_token", "bf16"])
+def test_compile_dq_first_not_serialised(compile_sm90, tmp_path, route):
+    """The flagged D = 128 tile compiles for sm_90a and ptxas keeps its wgmmas asynchronous (the SASS)."""
     from flamia_gen.bench.sass import describe, missing_tools, serialised
 
     if missing_tools():
         pytest.skip(missing_tools())
 
-    v = next(x for x in DQ16 if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
+    v = next(x for x in BWD if x.route == route and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
     ptx = compile_sm90(v, source=render_with_flags(v, bwd_dq_first=True))
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
