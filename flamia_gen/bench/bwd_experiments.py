@@ -167,6 +167,12 @@ EXPERIMENTS: dict[str, dict] = {
     # without softmax_scale·2^edo; the runtime's dQ conversion applies the row factor once (dQ to the last bits)
     "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _dq16_per_token(p),
                  note="dQ partial reduce-added without its row factor; the dQ conversion multiplies by it"),
+    # bwd_sdp_split (forty-first session; round 41's profile: our consumers wait on wgmma completion 2.4× as often as
+    # FA4's): the Sᵀ wait split from dPᵀ's, P and dV's issue under dPᵀ, dS under dV; and with bwd_dq_first (FA4's order)
+    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+                  note="Sᵀ waited alone: P and dV's issue while dPᵀ runs, dS while dV runs"),
+    "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+                     note="bwd_sdp_split and bwd_dq_first on the bf16 tile (FA4's order)"),
     # both on the bf16 tile (forty-first session): FA4's order and FA4's dQ scale
     "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
                   note="bwd_dq_first and bwd_dq_scale_late on the bf16 tile"),
