@@ -212,8 +212,10 @@ def test_bwd_experiments_variants_names_and_support():
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
     # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles); round
-    # 41's dqfirst on bf16's 4 (FA4's order; fp8_token's have it by default) and dqfsl (both) on bf16's 4
-    assert len(names) == len(set(names)) == 8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4 + 4
+    # 41's dqfirst on bf16's 4 (FA4's order; fp8_token's have it by default) and dqfsl (both) on bf16's 4; round 41's
+    # split and splitdqf (the Sᵀ wait split from dPᵀ's) on bf16's 4
+    assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4 + 4
+                                             + 4 + 4)
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -249,6 +251,10 @@ def test_bwd_experiments_variants_names_and_support():
                 assert rendered_params(render_variant(v)).get("bwd_dq_first") is True
             else:
                 assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
+        elif tag in ("split", "splitdqf"):  # tests/kernels/test_attn_bwd_sdp_split.py
+            p = rendered_params(render_variant(v))
+            assert v.route == "bf16" and p.get("bwd_sdp_split") is True
+            assert (p.get("bwd_dq_first") is True) is (tag == "splitdqf")
         elif tag == "dqfsl":
             p = rendered_params(render_variant(v))
             assert v.route == "bf16" and p.get("bwd_dq_first") is True and p.get("bwd_dq_scale_late") is True
