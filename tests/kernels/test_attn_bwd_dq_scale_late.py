@@ -131,10 +131,12 @@ def test_ab_tag_builds_on_the_bf16_and_dof_fold_tiles_only():
 
 
 @pytest.mark.compile
-def test_compile_drops_the_partial_multiplies(compile_sm90):
-    """bf16 D = 128 causal: the flag's PTX has 32 fp32 multiplies a tile copy fewer (the dQ partial of the thread's
-    32 accumulator words), and no other arithmetic changes count."""
-    v = next(x for x in BF16 if x.param("head_dim") == 128 and x.param("causal")
+@pytest.mark.parametrize("route,fewer", [("bf16", 64), ("fp8_token", 68)])
+def test_compile_drops_the_partial_multiplies(compile_sm90, route, fewer):
+    """D = 128 causal: the flag's PTX has 32 fp32 multiplies a tile copy fewer (the dQ partial of the thread's 32
+    accumulator words) × the tile's two copies (interior and masked); on fp8_token also the two rows' softmax_scale ×
+    2^edo a copy. No other arithmetic changes count."""
+    v = next(x for x in BF16 + DOF if x.route == route and x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
 
     def counts(ptx):
@@ -143,25 +145,6 @@ def test_compile_drops_the_partial_multiplies(compile_sm90):
     on = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=True)))
     off = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=False)))
     muls = (off["mul.f32"] + off["mul.rn.f32"]) - (on["mul.f32"] + on["mul.rn.f32"])
-    assert muls == 64, (on, off)  # 32 words × the tile's two copies (interior and masked)
+    assert muls == fewer, (on, off)
     assert off["sub.f32"] > 0 and off["ex2.approx.ftz.f32"] == 64  # the softmax and dS arithmetic is there ...
     assert (on["sub.f32"], on["ex2.approx.ftz.f32"]) == (off["sub.f32"], off["ex2.approx.ftz.f32"])  # ... unchanged
-
-
-@pytest.mark.compile
-def test_compile_drops_the_fp8_partial_multiplies(compile_sm90):
-    """fp8_token D = 128 causal: the partial's 32 multiplies a tile copy go (the row factor's own product, softmax
-    scale × 2^edo, goes with them), and the softmax and dS arithmetic keeps its counts."""
-    v = next(x for x in DOF if x.route == "fp8_token" and x.param("head_dim") == 128 and x.param("causal")
-             and not dict(x.params).get("deterministic"))
-
-    def counts(ptx):
-        return {op: len(re.findall(rf"^\s*{re.escape(op)}\s", ptx, re.M))
-                for op in ("mul.f32", "mul.rn.f32", "sub.f32", "ex2.approx.ftz.f32")}
-    on = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=True)))
-    off = counts(compile_sm90(v, source=render_with_flags(v, bwd_dq_scale_late=False)))
-    muls = (off["mul.f32"] + off["mul.rn.f32"]) - (on["mul.f32"] + on["mul.rn.f32"])
-    assert muls == 68, (on, off)  # 32 words × two copies, and the two rows' softmax_scale × 2^edo a copy
-    assert off["ex2.approx.ftz.f32"] == 64 and off["sub.f32"] > 0  # the softmax and dS arithmetic are there ...
-    assert {k: on[k] for k in ("sub.f32", "ex2.approx.ftz.f32")} == \
-        {k: off[k] for k in ("sub.f32", "ex2.approx.ftz.f32")}  # ... unchanged
