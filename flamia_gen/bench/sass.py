@@ -112,12 +112,11 @@ def loop_paths(region: list[str], mma: str = "GMMA") -> list[dict] | None:
         m = _UNCOND_BRA.search(ln)
         if not m or lab.get(m.group(1), -1) <= b:
             continue
-        tail = lab[m.group(1)]
-        # copy 2 starts at the first label after the BRA; the head is what precedes the branch that jumps there
-        c2 = min((i for i in lab.values() if i == b + 1), default=None)
+        tail, c2 = lab[m.group(1)], b + 1
+        # copy 2 starts at a label right after the BRA; the head is what precedes the branch that jumps there
         names = [k for k, v in lab.items() if v == c2]
         heads = [i for i, x in enumerate(idx[:b]) if any(f"`(.{k})" in x for k in names)]
-        if c2 is None or not heads:
+        if not heads:
             return None
         h = heads[0]
         p1 = idx[:b + 1] + idx[tail:]
