@@ -169,7 +169,8 @@ EXPERIMENTS: dict[str, dict] = {
                  note="dQ partial reduce-added without its row factor; the dQ conversion multiplies by it"),
     # bwd_sdp_split (forty-first session; round 41's profile: our consumers wait on wgmma completion 2.4× as often as
     # FA4's): the Sᵀ wait split from dPᵀ's, P and dV's issue under dPᵀ, dS under dV; and with bwd_dq_first (FA4's order)
-    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+    # (fp8_token's D = 128 tile since the forty-second session: dV's operand scaled in its conversion)
+    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _fp8_token_d128(p),
                   note="Sᵀ waited alone: P and dV's issue while dPᵀ runs, dS while dV runs"),
     "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=lambda p: p.get("v_fmt") != "e4m3",
                      note="bwd_sdp_split and bwd_dq_first on the bf16 tile (FA4's order)"),

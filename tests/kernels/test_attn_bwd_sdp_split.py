@@ -1,10 +1,12 @@
-"""The Sᵀ wait split from the dPᵀ wait on the bf16 tile (flag `bwd_sdp_split`, experiment, off; forty-first session;
-templates/sm90/attn_bwd.py.j2; docs/perf-notes.md round 41): P and dV's issue while dPᵀ runs, dS while dV runs.
+"""The Sᵀ wait split from the dPᵀ wait (flag `bwd_sdp_split`, experiment, off; bf16 tile since the forty-first session,
+fp8_token's D = 128 tile since the forty-second; templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–42): P and
+dV's issue while dPᵀ runs, dS while dV runs.
 
 CPU: off in every default render; on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
-dPᵀ with dV in flight (wait_group(1)) and only then reads dPᵀ for dS; masked pairs are zeroed in both passes (a
-masked pair's dPᵀ may be NaN); refused on the FP8 routes and without mask-free interior tiles. `-m compile`: no wgmma
-serialised, no stack.
+dPᵀ with dV in flight (wait_group(1)) and only then reads dPᵀ for dS; the P pass records the masked pairs and the dS
+pass zeroes them from that record (a masked pair's dPᵀ may be NaN: P = 0 times it is not 0); on fp8_token's tile acc_S
+keeps P unscaled and dV's operand takes its factor in the conversion. Refused on the other FP8 tiles and without
+mask-free interior tiles. `-m compile`: no wgmma serialised, no spill stores in the tile loops (bf16: no stack).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from flamia_gen.spec import load_specs
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 BF16 = [v for v in BWD if v.route == "bf16"]
+# fp8_token's tile with bwd_rw_early (D = 128, not deterministic): the one FP8 tile the split is built for
+FP8T = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
+        and not dict(v.params).get("deterministic")]
 
 
 def _one_tile(src: str) -> str:
@@ -33,32 +38,63 @@ def test_off_by_default_everywhere():
         assert "bwd_sdp_split" not in rendered_params(render_variant(v)), v.name
 
 
-@pytest.mark.parametrize("v", BF16, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", BF16 + FP8T, ids=lambda v: v.name)
 def test_the_order_of_waits_and_passes(v):
     src = render_with_flags(v, bwd_sdp_split=True)
     assert rendered_params(src)["bwd_sdp_split"] is True
     t = _one_tile(src)
+    fp8 = v.route == "fp8_token"
     s_issue = t.index("self.gemm(tiled_mma_sdp, acc_S,")
     dp_issue = t.index("self.gemm(tiled_mma_sdp, acc_dP,")
     w1 = t.index("warpgroup.wait_group(1)", dp_issue)
-    p_pass = t.index("p = ex2(acc_S[i] * scale_log2 - lse2[cp])")
+    p_pass = t.index("p = ex2(acc_S[i] * kf[rh] * qx[cp] - lse2[cp])" if fp8 else
+                     "p = ex2(acc_S[i] * scale_log2 - lse2[cp])")
     dv = t.index("self.gemm(tiled_mma_dkv, acc_dV, tdVrP,")
     w2 = t.index("warpgroup.wait_group(1)", dv)
-    ds_pass = t.index("ds = acc_S[i] * (acc_dP[i] - dl[cp])")
+    ds_pass = t.index("ds = acc_S[i] * (acc_dP[i] * vf[rh] - dl[cp])" if fp8 else "ds = acc_S[i] * (acc_dP[i] - dl[cp])")
     assert s_issue < dp_issue < w1 < p_pass < dv < w2 < ds_pass
     assert "acc_dP" not in t[w1:w2]  # dPᵀ's accumulator is not touched before its wait
-    # masked pairs are zeroed in both passes (the dS pass never relies on P = 0 times a NaN dPᵀ)
+    # the P pass zeroes masked pairs and records them; the dS pass zeroes from the record (never P = 0 times a NaN)
     assert t.count("p = Float32(0.0)") == 1 and t.count("ds = Float32(0.0)") == 1
-    assert t[p_pass:dv].count("outdoc = ") == 1 and t[ds_pass:].count("outdoc = ") >= 1
-    if v.param("causal"):
-        assert t[p_pass:dv].count("kk > qq") == 1 and t[ds_pass:].count("kk > qq") >= 1
+    assert t[p_pass:dv].count("outdoc = ") == 1 and t[p_pass:dv].count("mbits = mbits | Uint32(1 << i)") == 1
+    assert re.search(r"if \(mbits & Uint32\(1 << i\)\) != Uint32\(0\):\n\s+ds = Float32\(0\.0\)", t[ds_pass:])
+    assert ("kk > qq" in t[p_pass:dv]) is bool(v.param("causal"))
     # the flag's block replaces the fused pass: one ex2 pass, one dV issue
     assert t.count("p = ex2(") == 1 and t.count("self.gemm(tiled_mma_dkv, acc_dV,") == 1
+    if fp8:
+        # P stays unscaled (dS reads it after dV's issue): dV's factor is applied in the conversion only
+        assert "acc_S[i] = acc_S[i] * pf" not in t and "dv_scale_rows" not in t
+        assert t[p_pass:dv].count("self.convert_p_scaled(acc_S, tdVrP,") == 2 and "self.convert_p(acc_S, tdVrP)" not in t
 
 
-@pytest.mark.parametrize("route", ["fp8_token", "fp8_pv", "mxfp8", "fp8_tensor"])
-def test_refused_on_fp8_routes(route):
+def test_fp8_conversion_scales_a_copy():
+    """convert_p_scaled multiplies each packed value by 2^(8 + edo − R) of its column and key row, and never writes
+    acc_S (the fused pass's in-place products, so dV's codes are the same)."""
+    src = render_with_flags(FP8T[0], bwd_sdp_split=True)
+    start = src.index("    def convert_p_scaled(")
+    body = src[start:src.index("\n\n\ndef ", start)]  # the class's last method
+    assert "acc_S[" in body and not re.search(r"acc_S\[[^\]]*\]\s*=", body)
+    assert re.search(r"pow2i\(Int32\(8 - 127\) \+ Int32\(f32_bits\(ed\[j // 2\]\[j % 2\]\)\)\s+- rr\[rh\]\)", body)
+    assert "pack_e4m3x4(v[0], v[1], v[2], v[3])" in body
+    # its factor indices assume p_pack's order: entry j of a pack is accumulator (cg + j // 2, rh, cp = j % 2)
+    ns: dict = {}
+    exec(compile(src[src.index("def p_pack("):src.index("def row_word(")], "p_pack", "exec"), ns)  # plain Python
+    for kb in range(2):
+        for q in range(2):
+            for rh in range(2):
+                got = [(a // 4, (a // 2) % 2, a % 2) for a in ns["p_pack"](kb, q, rh)]
+                assert got == [(4 * kb + 2 * q + j // 2, rh, j % 2) for j in range(4)]
+
+
+@pytest.mark.parametrize("route", ["fp8_pv", "mxfp8", "fp8_tensor", "fp8_token_bf16qk"])
+def test_refused_on_other_fp8_tiles(route):
     v = next(x for x in BWD if x.route == route)
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_sdp_split"):
+        render_with_flags(v, bwd_sdp_split=True)
+
+
+def test_refused_on_fp8_token_without_its_early_row_words():
+    v = next(x for x in BWD if x.route == "fp8_token" and x.param("head_dim") == 64)
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_sdp_split"):
         render_with_flags(v, bwd_sdp_split=True)
 
@@ -74,23 +110,33 @@ def test_ab_tags():
     bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
     got = [(t, v) for t, v in experiment_variants(("split", "splitdqf"), base_variants=bwd, experiments=EXPERIMENTS)
            if t]  # "" tags the base variants the copies are compared with
-    assert {t for t, _ in got} == {"split", "splitdqf"} and all(v.route == "bf16" for _, v in got)
-    assert len(got) == 2 * sum(1 for v in bwd if v.route == "bf16")
+    assert {t for t, _ in got} == {"split", "splitdqf"}
+    assert {v.route for t, v in got if t == "splitdqf"} == {"bf16"}  # fp8_token's tile has bwd_dq_first already
+    n_bf16 = sum(1 for v in bwd if v.route == "bf16")
+    n_fp8 = sum(1 for v in bwd if v.route == "fp8_token" and v.param("head_dim") == 128
+                and not dict(v.params).get("deterministic"))
+    assert n_fp8 >= 2 and len(got) == 2 * n_bf16 + n_fp8
     for t, v in got:
         p = rendered_params(render_variant(v))
-        assert p["bwd_sdp_split"] is True and (p.get("bwd_dq_first") is True) is (t == "splitdqf")
+        assert p["bwd_sdp_split"] is True
+        assert (p.get("bwd_dq_first") is True) is (t == "splitdqf" or v.route == "fp8_token")
 
 
 @pytest.mark.compile
-def test_compile_not_serialised_and_no_stack(compile_sm90, tmp_path):
+@pytest.mark.parametrize("route", ["bf16", "fp8_token"])
+def test_compile_not_serialised_and_no_spill_stores(route, compile_sm90, tmp_path):
     from flamia_gen.bench.sass import describe, missing_tools, serialised
 
     if missing_tools():
         pytest.skip(missing_tools())
-    v = next(x for x in BF16 if x.param("head_dim") == 128 and x.param("causal")
+    v = next(x for x in (BF16 if route == "bf16" else FP8T) if x.param("head_dim") == 128 and x.param("causal")
              and not dict(x.params).get("deterministic"))
     ptx = compile_sm90(v, source=render_with_flags(v, bwd_sdp_split=True))
     assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) >= 4  # two a tile copy
     d = describe(str(tmp_path / f"{v.name}.o"))
     assert d["loops"] and not any(serialised(lp) for lp in d["loops"]), d["loops"]
-    assert d["stack"] == 0 and all(lp["stl"] == 0 and lp["ldl"] == 0 for lp in d["loops"])
+    # bf16: no local memory at all (the fused default has 56 B); fp8_token: no spill stores in its tile loops (the
+    # fused default has 3 a loop), some reloads of values spilled once before the loop
+    assert all(lp["stl"] == 0 for lp in d["loops"]), d["loops"]
+    if route == "bf16":
+        assert d["stack"] == 0 and all(lp["ldl"] == 0 for lp in d["loops"])
