@@ -76,6 +76,11 @@ def test_fp8_conversion_scales_a_copy():
     assert "acc_S[" in body and not re.search(r"acc_S\[[^\]]*\]\s*=", body)
     assert re.search(r"pow2i\(Int32\(8 - 127\) \+ Int32\(f32_bits\(ed\[j // 2\]\[j % 2\]\)\)\s+- rr\[rh\]\)", body)
     assert "pack_e4m3x4(v[0], v[1], v[2], v[3])" in body
+    # interior tiles (R = the max of every column's edo): the flush clamp only; masked tiles keep pow2i's two
+    inner = body[body.index("if const_expr(interior):"):body.index("else:", body.index("if const_expr(interior):"))]
+    assert "cutlass.max(" in inner and "cutlass.min(" not in inner and "pow2i(" not in inner
+    t = _one_tile(src)
+    assert t.count(", False)") >= 1 and "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, r_int, r_int, True)" in t
     # its factor indices assume p_pack's order: entry j of a pack is accumulator (cg + j // 2, rh, cp = j % 2)
     ns: dict = {}
     exec(compile(src[src.index("def p_pack("):src.index("def row_word(")], "p_pack", "exec"), ns)  # plain Python
