@@ -21,15 +21,11 @@ import pytest
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
+from kernel_source import one_tile
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
-
-
-def _one_tile(src: str) -> str:
-    start = src.index("    def one_tile(")
-    return src[start:src.index("\n    @cute.jit", start)]
 
 
 ON = [v for v in DQ16 if v.param("head_dim") == 128 or not dict(v.params).get("deterministic")]
@@ -48,8 +44,8 @@ def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
                                  and not dict(v.params).get("deterministic")) for d in (64, 128)],
                          ids=lambda v: v.name)
 def test_dk_after_dq_and_the_stage_released_after_dk(v):
-    on, off = _one_tile(render_with_flags(v, bwd_dq_first=True)), _one_tile(render_with_flags(v, bwd_dq_first=False))
-    assert _one_tile(render_variant(v)) == (on if v in ON else off)
+    on, off = one_tile(render_with_flags(v, bwd_dq_first=True)), one_tile(render_with_flags(v, bwd_dq_first=False))
+    assert one_tile(render_variant(v)) == (on if v in ON else off)
     assert rendered_params(render_with_flags(v, bwd_dq_first=True))["bwd_dq_first"] is True
     dk = "self.gemm(tiled_mma_dkv, acc_dK, tdKrdS,"
     dq = "self.gemm(tiled_mma_dq, acc_dQ,"

@@ -25,17 +25,13 @@ from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.runtime.attn_bwd import dq_accum_natural, dq_from_accum
 from flamia_gen.spec import load_specs
+from kernel_source import one_tile
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 BF16 = [v for v in BWD if v.route == "bf16"]
 DOF = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]  # the bwd_dof_fold tiles
 SCALED = ("acc_dQ[2 * j] * f", "acc_dQ[2 * j + 1] * f")
-
-
-def _one_tile(src: str) -> str:
-    start = src.index("    def one_tile(")
-    return src[start:src.index("\n    @cute.jit", start)]
 
 
 def test_off_by_default_everywhere():
@@ -45,9 +41,9 @@ def test_off_by_default_everywhere():
 
 @pytest.mark.parametrize("v", BF16 + DOF, ids=lambda v: v.name)
 def test_tiles_lose_exactly_the_partial_multiply(v):
-    off, on = _one_tile(render_with_flags(v, bwd_dq_scale_late=False)), render_with_flags(v, bwd_dq_scale_late=True)
+    off, on = one_tile(render_with_flags(v, bwd_dq_scale_late=False)), render_with_flags(v, bwd_dq_scale_late=True)
     assert rendered_params(on)["bwd_dq_scale_late"] is True
-    tile = _one_tile(on)
+    tile = one_tile(on)
     assert any(s in off for s in SCALED), v.name  # the default scales each partial ...
     assert not any(s in tile for s in SCALED), v.name  # ... the flag scales none
     # the partials still reach dq_accum (staging stores or reduce-adds), unscaled

@@ -22,6 +22,7 @@ import pytest
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
+from kernel_source import one_tile
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
@@ -32,11 +33,6 @@ ELEMENTWISE = "            dst[i] = rdS[i]\n"
 STSM_CALL = "self.store_ds(tiled_mma_sdp, rdS, tSsdS[None, None, None, buf])"
 
 
-def _one_tile(src: str) -> str:
-    start = src.index("    def one_tile(")
-    return src[start:src.index("\n    @cute.jit", start)]
-
-
 def test_default_on_the_per_token_dq16_tiles_and_fp8_pv_and_bf16_d128():
     # two routes × D × causal or not × det or not + fp8_pv's and bf16's D = 128 non-deterministic tiles (causal or not)
     assert len(ON) == 20
@@ -45,7 +41,7 @@ def test_default_on_the_per_token_dq16_tiles_and_fp8_pv_and_bf16_d128():
         on = v in ON
         assert (rendered_params(src).get("bwd_ds_stsm") is True) is on, v.name
         assert ("def store_ds(" in src) is on and ("StMatrix8x8x16bOp(transpose=True, num_matrices=4)" in src) is on
-        tile = _one_tile(src)
+        tile = one_tile(src)
         if v.context.get("v_fmt") != "e4m3" or v.route == "fp8_pv" or v in DQ16:  # the 16-bit dS tiles
             assert tile.count(STSM_CALL) == (1 if on else 0) and (ELEMENTWISE in tile) is not on, v.name
 
@@ -56,8 +52,8 @@ def test_renders_on_every_16_bit_ds_tile_and_replaces_the_stores(route):
              and not dict(x.params).get("deterministic"))
     on, off = render_with_flags(v, bwd_ds_stsm=True), render_with_flags(v, bwd_ds_stsm=False)
     assert rendered_params(on)["bwd_ds_stsm"] is True and "bwd_ds_stsm" not in rendered_params(off)
-    assert _one_tile(on).count(STSM_CALL) == 1 and ELEMENTWISE not in _one_tile(on)
-    assert STSM_CALL not in off and ELEMENTWISE in _one_tile(off)
+    assert one_tile(on).count(STSM_CALL) == 1 and ELEMENTWISE not in one_tile(on)
+    assert STSM_CALL not in off and ELEMENTWISE in one_tile(off)
     # the destination is the copy's own partition of the same (keys, queries, buffer) view of sdS
     assert "tSsdS = self.ds_store_copy(tiled_mma_sdp).get_slice(tidx).partition_D(sdSt)" in on
     assert "tSsdS = thr_sdp.partition_C(sdSt)" in off

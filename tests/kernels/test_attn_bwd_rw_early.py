@@ -12,15 +12,11 @@ from flamia_gen.bench.bwd_experiments import EXPERIMENTS
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
+from kernel_source import one_tile
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 TOKEN = [v for v in BWD if v.route == "fp8_token"]
-
-
-def _one_tile(src: str) -> str:
-    i = src.index("    def one_tile(")
-    return src[i:src.index("\n    @cute.jit", i)]
 
 
 def _default_on(v) -> bool:
@@ -42,7 +38,7 @@ def test_renders_on_the_per_token_tiles(v):
     src = render_with_flags(v, bwd_rw_early=True)
     compile(src, v.name, "exec")
     assert rendered_params(src)["bwd_rw_early"] is True
-    tile = _one_tile(src)
+    tile = one_tile(src)
     dp, pre, wait = tile.index("self.gemm(tiled_mma_sdp, acc_dP"), tile.index("pre_lse2 = "), \
         tile.index("        warpgroup.wait_group(0)\n")
     assert dp < pre < wait  # the loads while Sᵀ and dPᵀ run

@@ -19,6 +19,7 @@ import pytest
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.spec import load_specs
+from kernel_source import method_source, one_tile
 
 PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
@@ -26,11 +27,6 @@ BF16 = [v for v in BWD if v.route == "bf16"]
 # fp8_token's tile with bwd_rw_early (D = 128, not deterministic): the one FP8 tile the split is built for
 FP8T = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
         and not dict(v.params).get("deterministic")]
-
-
-def _one_tile(src: str) -> str:
-    start = src.index("    def one_tile(")
-    return src[start:src.index("\n    @cute.jit", start)]
 
 
 def test_off_by_default_everywhere():
@@ -42,7 +38,7 @@ def test_off_by_default_everywhere():
 def test_the_order_of_waits_and_passes(v):
     src = render_with_flags(v, bwd_sdp_split=True)
     assert rendered_params(src)["bwd_sdp_split"] is True
-    t = _one_tile(src)
+    t = one_tile(src)
     fp8 = v.route == "fp8_token"
     s_issue = t.index("self.gemm(tiled_mma_sdp, acc_S,")
     dp_issue = t.index("self.gemm(tiled_mma_sdp, acc_dP,")
@@ -71,15 +67,14 @@ def test_fp8_conversion_scales_a_copy():
     """convert_p_scaled multiplies each packed value by 2^(8 + edo − R) of its column and key row, and never writes
     acc_S (the fused pass's in-place products, so dV's codes are the same)."""
     src = render_with_flags(FP8T[0], bwd_sdp_split=True)
-    start = src.index("    def convert_p_scaled(")
-    body = src[start:src.index("\n\n\ndef ", start)]  # the class's last method
+    body = method_source(src, "convert_p_scaled")
     assert "acc_S[" in body and not re.search(r"acc_S\[[^\]]*\]\s*=", body)
     assert re.search(r"pow2i\(Int32\(8 - 127\) \+ Int32\(f32_bits\(ed\[j // 2\]\[j % 2\]\)\)\s+- rr\[rh\]\)", body)
     assert "pack_e4m3x4(v[0], v[1], v[2], v[3])" in body
     # interior tiles (R = the max of every column's edo): the flush clamp only; masked tiles keep pow2i's two
     inner = body[body.index("if const_expr(interior):"):body.index("else:", body.index("if const_expr(interior):"))]
     assert "cutlass.max(" in inner and "cutlass.min(" not in inner and "pow2i(" not in inner
-    t = _one_tile(src)
+    t = one_tile(src)
     assert t.count(", False)") >= 1 and "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, r_int, r_int, True)" in t
     # its factor indices assume p_pack's order: entry j of a pack is accumulator (cg + j // 2, rh, cp = j % 2)
     ns: dict = {}

@@ -11,14 +11,10 @@ from flamia_gen.bench.fwd_experiments import EXPERIMENTS, experiment_variants
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags
 from flamia_gen.spec import load_specs
+from kernel_source import one_tile
 
 VARIANTS = [v for v in make_plan(load_specs()).variants if v.kind.value == "attn_fwd" and v.arch.value == "sm90"]
 TOKEN = [v for v in VARIANTS if v.route == "fp8_token" and not v.param("intra_wg_overlap")]
-
-
-def _one_tile(src: str) -> str:
-    i = src.index("    def one_tile(")
-    return src[i:src.index("\n    def ", i + 1)]
 
 
 def test_off_by_default_and_absent_from_default_renders():
@@ -35,7 +31,7 @@ def test_rendered_order(v, kfe):
     src = render_with_flags(v, fwd_kf_early=kfe)
     compile(src, v.name, "exec")
     assert f'"fwd_kf_early": {kfe},' in src
-    ot = _one_tile(src)
+    ot = one_tile(src)
     issue, pre, wait = ot.index("self.gemm(tiled_mma_qk"), ot.index("fk_pre = ["), ot.index("warpgroup.wait_group(0)")
     assert issue < pre < wait  # the loads sit between the QKᵀ issue and its wait
     assert f"for cg in range({kfe})]" in ot and "mask, fk_pre)" in ot
