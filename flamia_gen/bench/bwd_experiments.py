@@ -174,6 +174,11 @@ EXPERIMENTS: dict[str, dict] = {
                   note="Sᵀ waited alone: P and dV's issue while dPᵀ runs, dS while dV runs"),
     "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=lambda p: p.get("v_fmt") != "e4m3",
                      note="bwd_sdp_split and bwd_dq_first on the bf16 tile (FA4's order)"),
+    # the split with the dQ scale left to the conversion (forty-second session: on fp8_token's tile the split frees the
+    # registers whose lack made round 41's dqsl spill; sm_90a interior path 852 → 800 instructions, spill loads 10 → 3)
+    "splitsl": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True},
+                    when=lambda p: p.get("v_fmt") != "e4m3" or _fp8_token_d128(p),
+                    note="bwd_sdp_split and bwd_dq_scale_late"),
     # both on the bf16 tile (forty-first session): FA4's order and FA4's dQ scale
     "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
                   note="bwd_dq_first and bwd_dq_scale_late on the bf16 tile"),

@@ -120,6 +120,11 @@ def test_ab_tags():
         p = rendered_params(render_variant(v))
         assert p["bwd_sdp_split"] is True
         assert (p.get("bwd_dq_first") is True) is (t == "splitdqf" or v.route == "fp8_token")
+    sl = [v for t, v in experiment_variants(("splitsl",), base_variants=bwd, experiments=EXPERIMENTS) if t]
+    assert len(sl) == n_bf16 + n_fp8
+    for v in sl:
+        p = rendered_params(render_variant(v))
+        assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True
 
 
 @pytest.mark.compile
