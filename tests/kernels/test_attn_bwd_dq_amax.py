@@ -213,9 +213,10 @@ def test_bwd_experiments_variants_names_and_support():
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
     # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles); round
     # 41's dqfirst on bf16's 4 (FA4's order; fp8_token's have it by default) and dqfsl (both) on bf16's 4; round 41's
-    # split and splitdqf (the Sᵀ wait split from dPᵀ's) on bf16's 4
+    # split and splitdqf (the Sᵀ wait split from dPᵀ's) on bf16's 4, and since round 42 split on fp8_token's 2
+    # non-deterministic tiles (those with bwd_rw_early) and splitsl (split + dqsl) on bf16's 4 and those 2
     assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4 + 4
-                                             + 4 + 4)
+                                             + 4 + 4 + 2 + 6)
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
