@@ -252,10 +252,13 @@ def test_bwd_experiments_variants_names_and_support():
                 assert rendered_params(render_variant(v)).get("bwd_dq_first") is True
             else:
                 assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
-        elif tag in ("split", "splitdqf"):  # tests/kernels/test_attn_bwd_sdp_split.py
+        elif tag in ("split", "splitdqf", "splitsl"):  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
-            assert v.route == "bf16" and p.get("bwd_sdp_split") is True
-            assert (p.get("bwd_dq_first") is True) is (tag == "splitdqf")
+            assert p.get("bwd_sdp_split") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "splitsl")
+            if v.route == "bf16":
+                assert (p.get("bwd_dq_first") is True) is (tag == "splitdqf")
+            else:  # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default)
+                assert v.route == "fp8_token" and tag != "splitdqf" and p.get("bwd_rw_early") is True
         elif tag == "dqfsl":
             p = rendered_params(render_variant(v))
             assert v.route == "bf16" and p.get("bwd_dq_first") is True and p.get("bwd_dq_scale_late") is True
