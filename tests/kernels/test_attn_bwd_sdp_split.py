@@ -75,7 +75,8 @@ def test_fp8_conversion_scales_a_copy():
     inner = body[body.index("if const_expr(interior):"):body.index("else:", body.index("if const_expr(interior):"))]
     assert "cutlass.max(" in inner and "cutlass.min(" not in inner and "pow2i(" not in inner
     t = one_tile(src)
-    assert t.count(", False)") >= 1 and "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, r_int, r_int, True)" in t
+    assert "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, run[2], run[3], False)" in t  # masked: per row
+    assert "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, r_int, r_int, True)" in t
     # its factor indices assume p_pack's order: entry j of a pack is accumulator (cg + j // 2, rh, cp = j % 2)
     ns: dict = {}
     exec(compile(src[src.index("def p_pack("):src.index("def row_word(")], "p_pack", "exec"), ns)  # plain Python
@@ -113,8 +114,7 @@ def test_ab_tags():
     assert {t for t, _ in got} == {"split", "splitdqf"}
     assert {v.route for t, v in got if t == "splitdqf"} == {"bf16"}  # fp8_token's tile has bwd_dq_first already
     n_bf16 = sum(1 for v in bwd if v.route == "bf16")
-    n_fp8 = sum(1 for v in bwd if v.route == "fp8_token" and v.param("head_dim") == 128
-                and not dict(v.params).get("deterministic"))
+    n_fp8 = sum(1 for v in bwd if v.name in {x.name for x in FP8T})
     assert n_fp8 >= 2 and len(got) == 2 * n_bf16 + n_fp8
     for t, v in got:
         p = rendered_params(render_variant(v))
