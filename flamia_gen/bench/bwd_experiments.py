@@ -70,6 +70,13 @@ _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
     (p.get("ds_fmt") == "bf16" or p.get("v_fmt") != "e4m3") and p.get("head_dim") == 128
     and not p.get("deterministic"))
 
+# the template's BWD_BF16_SPLIT_DEFAULT (round 43): the bf16 route's D = 128 non-deterministic tile takes bwd_sdp_split and
+# bwd_dq_first (FA4's order)
+_bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3" and p.get("head_dim") == 128  # noqa: E731
+                                 and not p.get("deterministic"))
+# the bf16 tiles where the split and FA4's order are experiments still (D = 64, the `_det` copies)
+_bf16_split_off = lambda p: p.get("v_fmt") != "e4m3" and not _bf16_split_default(p)  # noqa: E731
+
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
 _ds_wide = lambda p: p.get("v_fmt") != "e4m3" or p.get("ds_fmt") == "bf16" or bwd_dq_bf16(p)  # noqa: E731
 
@@ -111,7 +118,7 @@ EXPERIMENTS: dict[str, dict] = {
     # dO's fold, the default of the per-token tiles' non-deterministic D = 64 copies): dK issued after dQ, dQ waited alone
     # ... and (forty-first session) on the bf16 route's tiles, where it is FA4's order
     "dqfirst": dict(over={"bwd_dq_first": True},
-                    when=lambda p: (bwd_dq_bf16(p) and not _dq_first_default(p)) or p.get("v_fmt") != "e4m3",
+                    when=lambda p: (bwd_dq_bf16(p) and not _dq_first_default(p)) or _bf16_split_off(p),
                     note="dK issued after dQ; the dQ epilogue overlaps dK (wait_group 1), the Q stage released after it"),
     "nodqfirst": dict(over={"bwd_dq_first": False}, when=_dq_first_default,
                       note="dK issued before the dS barrier, dQ waited with it (the kernel before round 30 at D = 64, "
@@ -170,17 +177,20 @@ EXPERIMENTS: dict[str, dict] = {
     # bwd_sdp_split (forty-first session; round 41's profile: our consumers wait on wgmma completion 2.4× as often as
     # FA4's): the Sᵀ wait split from dPᵀ's, P and dV's issue under dPᵀ, dS under dV; and with bwd_dq_first (FA4's order)
     # (fp8_token's D = 128 tile since the forty-second session: dV's operand scaled in its conversion)
-    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _fp8_token_d128(p),
+    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
                   note="Sᵀ waited alone: P and dV's issue while dPᵀ runs, dS while dV runs"),
-    "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+    "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=_bf16_split_off,
                      note="bwd_sdp_split and bwd_dq_first on the bf16 tile (FA4's order)"),
     # the split with the dQ scale left to the conversion (forty-second session: on fp8_token's tile the split frees the
     # registers whose lack made round 41's dqsl spill; sm_90a interior path 852 → 800 instructions, spill loads 10 → 3)
     "splitsl": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True},
-                    when=lambda p: p.get("v_fmt") != "e4m3" or _fp8_token_d128(p),
+                    when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
                     note="bwd_sdp_split and bwd_dq_scale_late"),
+    # round 43: the bf16 D = 128 tile's default before the split and FA4's order (the fused pass, dK issued first)
+    "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
+                    note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tile before round 43)"),
     # both on the bf16 tile (forty-first session): FA4's order and FA4's dQ scale
-    "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3",
+    "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=_bf16_split_off,
                   note="bwd_dq_first and bwd_dq_scale_late on the bf16 tile"),
     "qahead": dict(over={"bwd_q_ahead": True}, when=lambda p: True,
                    note="a unit's first Q / dO tiles issued before its K, V (the producer's K/V wait after them)"),

@@ -212,11 +212,13 @@ def test_bwd_experiments_variants_names_and_support():
     # 37's rwe (per-query words while Sᵀ and dPᵀ run) on fp8_token's 4 — since round 38 the default of its 2
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
     # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles); round
-    # 41's dqfirst on bf16's 4 (FA4's order; fp8_token's have it by default) and dqfsl (both) on bf16's 4; round 41's
-    # split and splitdqf (the Sᵀ wait split from dPᵀ's) on bf16's 4, and since round 42 split on fp8_token's 2
-    # non-deterministic tiles (those with bwd_rw_early) and splitsl (split + dqsl) on bf16's 4 and those 2
-    assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4 + 4
-                                             + 4 + 4 + 2 + 6)
+    # 41's dqfirst (FA4's order; fp8_token's have it by default), dqfsl (both), split and splitdqf (the Sᵀ wait split
+    # from dPᵀ's) and splitsl (split + dqsl) on bf16's 2 deterministic tiles — since round 43 its 2 others take the split
+    # and dqfirst by default, where nosplit undoes both — and since round 42 split and splitsl on fp8_token's 2
+    # non-deterministic tiles (those with bwd_rw_early): 2 each of dqfirst, dqfsl, split (bf16), split (fp8_token),
+    # splitdqf, splitsl (bf16), splitsl (fp8_token), nosplit
+    assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
+                                             + 2 + 2 + 2 + 2 + 2 + 2 + 2 + 2)
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -248,20 +250,30 @@ def test_bwd_experiments_variants_names_and_support():
             assert v.route == "fp8_token" and ('"bwd_no_kt": True' in src) is (tag == "nokt")
             assert bool(dict(v.params).get("deterministic")) is (tag == "nokt")
         elif tag == "dqfirst":
-            if v.route == "bf16":
+            if v.route == "bf16":  # the deterministic tiles (the others take it by default since round 43)
                 assert rendered_params(render_variant(v)).get("bwd_dq_first") is True
+                assert dict(v.params).get("deterministic") is True
             else:
                 assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
         elif tag in ("split", "splitdqf", "splitsl"):  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
             assert p.get("bwd_sdp_split") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "splitsl")
-            if v.route == "bf16":
+            if v.route == "bf16":  # its deterministic tiles: the others take split and dqfirst by default
                 assert (p.get("bwd_dq_first") is True) is (tag == "splitdqf")
+                assert dict(v.params).get("deterministic") is True
             else:  # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default)
                 assert v.route == "fp8_token" and tag != "splitdqf" and p.get("bwd_rw_early") is True
+        elif tag == "nosplit":  # round 43's bf16 default undone: the fused pass, dK issued before dQ
+            p = rendered_params(render_variant(v))
+            assert v.route == "bf16" and "deterministic" not in dict(v.params)
+            assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
+            b = next(x for x in bwd if x.name == bx.split_name(v.name, bx.EXPERIMENTS)[0])
+            pb = rendered_params(render_variant(b))
+            assert pb.get("bwd_sdp_split") is True and pb.get("bwd_dq_first") is True
         elif tag == "dqfsl":
             p = rendered_params(render_variant(v))
             assert v.route == "bf16" and p.get("bwd_dq_first") is True and p.get("bwd_dq_scale_late") is True
+            assert dict(v.params).get("deterministic") is True
         elif tag == "nodoffold":
             src = render_variant(v)
             assert v.route == "fp8_token" and '"bwd_dof_fold"' not in src and '"bwd_row_swz": True' in src
@@ -275,7 +287,8 @@ def test_bwd_experiments_variants_names_and_support():
             assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
             if v.route == "bf16":  # stmatrix on its non-deterministic tiles since round 39 (nostsm), off on the _det
                 assert (tag == "nostsm") is not bool(dict(v.params).get("deterministic"))
-                assert tag in ("stsm", "nostsm") and "bwd_dq_first" not in p
+                # (FA4's order is the non-deterministic tiles' default since round 43, the _det's experiment)
+                assert tag in ("stsm", "nostsm") and ("bwd_dq_first" in p) is (tag == "nostsm")
             else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
                 assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))
                 assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")

@@ -29,12 +29,15 @@ DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
 
 
 ON = [v for v in DQ16 if v.param("head_dim") == 128 or not dict(v.params).get("deterministic")]
+# round 43: the bf16 route's D = 128 non-deterministic tile takes it with bwd_sdp_split (FA4's order)
+ON_BF16 = [v for v in BWD if v.route == "bf16" and v.param("head_dim") == 128 and not dict(v.params).get("deterministic")]
 
 
 def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
     assert len(ON) == 12  # two routes × causal or not × (D = 128 det or not, D = 64 not deterministic)
+    assert len(ON_BF16) == 2  # causal or not
     for v in BWD:
-        assert (rendered_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON), v.name
+        assert (rendered_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON + ON_BF16), v.name
 
 
 @pytest.mark.parametrize("v", [next(v for v in DQ16 if v.route == r and v.param("causal")
@@ -45,7 +48,11 @@ def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
                          ids=lambda v: v.name)
 def test_dk_after_dq_and_the_stage_released_after_dk(v):
     on, off = one_tile(render_with_flags(v, bwd_dq_first=True)), one_tile(render_with_flags(v, bwd_dq_first=False))
-    assert one_tile(render_variant(v)) == (on if v in ON else off)
+    if v in ON_BF16:  # its default has the split too (tests/kernels/test_attn_bwd_sdp_split.py); here without it
+        on, off = (one_tile(render_with_flags(v, bwd_dq_first=f, bwd_sdp_split=False)) for f in (True, False))
+        assert "bwd_dq_first" in rendered_params(render_variant(v))
+    else:
+        assert one_tile(render_variant(v)) == (on if v in ON else off)
     assert rendered_params(render_with_flags(v, bwd_dq_first=True))["bwd_dq_first"] is True
     dk = "self.gemm(tiled_mma_dkv, acc_dK, tdKrdS,"
     dq = "self.gemm(tiled_mma_dq, acc_dQ,"
@@ -74,8 +81,9 @@ def test_refused_without_dq_on_bf16(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    # D = 128: every per-token tile has it; D = 64: the det ones lack it; the bf16 route's 4 tiles lack it at both
-    for hd, n_on, n_off in ((128, 4, 8), (64, 8, 4)):
+    # D = 128: every per-token tile has it, the bf16 route's non-deterministic 2 too (round 43); D = 64: the det ones
+    # lack it; the bf16 route's 4 tiles lack it there
+    for hd, n_on, n_off in ((128, 2, 8), (64, 8, 4)):
         bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"), head_dim=hd)
         on = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqfirst"]
         off = [v for t, v in experiment_variants(("nodqfirst",), base_variants=bwd, experiments=EXPERIMENTS)

@@ -1,8 +1,9 @@
-"""The Sᵀ wait split from the dPᵀ wait (flag `bwd_sdp_split`, experiment, off; bf16 tile since the forty-first session,
-fp8_token's D = 128 tile since the forty-second; templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–42): P and
-dV's issue while dPᵀ runs, dS while dV runs.
+"""The Sᵀ wait split from the dPᵀ wait (flag `bwd_sdp_split`; bf16 tile since the forty-first session, fp8_token's
+D = 128 tile since the forty-second; with bwd_dq_first the default of the bf16 route's D = 128 non-deterministic tile
+since round 43, off elsewhere; templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–43): P and dV's issue while
+dPᵀ runs, dS while dV runs.
 
-CPU: off in every default render; on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
+CPU: on in exactly the bf16 D = 128 non-deterministic default renders (with bwd_dq_first); on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
 dPᵀ with dV in flight (wait_group(1)) and only then reads dPᵀ for dS; the P pass records the masked pairs and the dS
 pass zeroes them from that record (a masked pair's dPᵀ may be NaN: P = 0 times it is not 0); on fp8_token's tile acc_S
 keeps P unscaled and dV's operand takes its factor in the conversion. Refused on the other FP8 tiles and without
@@ -29,9 +30,22 @@ FP8T = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
         and not dict(v.params).get("deterministic")]
 
 
-def test_off_by_default_everywhere():
+# round 43: the split and FA4's order (bwd_dq_first) are the default of these two (causal, non-causal) and no other
+DEFAULT_ON = [v for v in BF16 if v.param("head_dim") == 128 and not dict(v.params).get("deterministic")]
+
+
+def test_default_on_the_bf16_d128_tile_only():
+    assert len(DEFAULT_ON) == 2 and {bool(v.param("causal")) for v in DEFAULT_ON} == {True, False}
     for v in BWD:
-        assert "bwd_sdp_split" not in rendered_params(render_variant(v)), v.name
+        p = rendered_params(render_variant(v))
+        assert (p.get("bwd_sdp_split") is True) is (v in DEFAULT_ON), v.name
+        if v in DEFAULT_ON:  # the default is the timed `splitdqf` copy: both flags, byte for byte
+            assert p.get("bwd_dq_first") is True
+            assert render_variant(v) == render_with_flags(v, bwd_sdp_split=True, bwd_dq_first=True)
+            # and `nosplit` renders the fused tile (dK issued before dQ)
+            off = one_tile(render_with_flags(v, bwd_sdp_split=False, bwd_dq_first=False))
+            assert "mbits" not in off and off.index("self.gemm(tiled_mma_dkv, acc_dK,") < off.index(
+                "self.gemm(tiled_mma_dq, acc_dQ,")
 
 
 @pytest.mark.parametrize("v", BF16 + FP8T, ids=lambda v: v.name)
@@ -113,7 +127,15 @@ def test_ab_tags():
            if t]  # "" tags the base variants the copies are compared with
     assert {t for t, _ in got} == {"split", "splitdqf"}
     assert {v.route for t, v in got if t == "splitdqf"} == {"bf16"}  # fp8_token's tile has bwd_dq_first already
-    n_bf16 = sum(1 for v in bwd if v.route == "bf16")
+    # bf16's copies build on its deterministic tiles only (the other two have both flags by default: nosplit there)
+    assert all(dict(v.params).get("deterministic") for t, v in got if v.route == "bf16")
+    n_bf16 = sum(1 for v in bwd if v.route == "bf16" and dict(v.params).get("deterministic"))
+    assert n_bf16 == 2
+    undo = [v for t, v in experiment_variants(("nosplit",), base_variants=bwd, experiments=EXPERIMENTS) if t]
+    assert sorted(v.name for v in undo) == sorted(v.name + "_xnosplit" for v in DEFAULT_ON)
+    for v in undo:
+        p = rendered_params(render_variant(v))
+        assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
     n_fp8 = sum(1 for v in bwd if v.name in {x.name for x in FP8T})
     assert n_fp8 >= 2 and len(got) == 2 * n_bf16 + n_fp8
     for t, v in got:
