@@ -71,7 +71,7 @@ _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
     and not p.get("deterministic"))
 
 # the template's BWD_BF16_SPLIT_DEFAULT (round 43): the bf16 route's D = 128 non-deterministic tile takes bwd_sdp_split and
-# bwd_dq_first (FA4's order)
+# bwd_dq_first (FA4's order); the template also asks for mask-free interior tiles, which every base variant here has
 _bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3" and p.get("head_dim") == 128  # noqa: E731
                                  and not p.get("deterministic"))
 # the bf16 tiles where the split and FA4's order are experiments still (D = 64, the `_det` copies)
