@@ -70,11 +70,12 @@ _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
     (p.get("ds_fmt") == "bf16" or p.get("v_fmt") != "e4m3") and p.get("head_dim") == 128
     and not p.get("deterministic"))
 
-# the template's BWD_BF16_SPLIT_DEFAULT (round 43): the bf16 route's D = 128 non-deterministic tile takes bwd_sdp_split and
-# bwd_dq_first (FA4's order); the template also asks for mask-free interior tiles, which every base variant here has
-_bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3" and p.get("head_dim") == 128  # noqa: E731
-                                 and not p.get("deterministic"))
-# the bf16 tiles where the split and FA4's order are experiments still (D = 64, the `_det` copies)
+# the template's BWD_BF16_SPLIT_DEFAULT: the bf16 route's tiles take bwd_sdp_split and bwd_dq_first (FA4's order) at
+# D = 128 (non-deterministic since round 43, deterministic since round 44) and at D = 64 non-deterministic (round 44);
+# the template also asks for mask-free interior tiles, which every base variant here has
+_bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3"  # noqa: E731
+                                 and (p.get("head_dim") == 128 or not p.get("deterministic")))
+# the bf16 tiles where the split and FA4's order are experiments still (the D = 64 `_det` copies)
 _bf16_split_off = lambda p: p.get("v_fmt") != "e4m3" and not _bf16_split_default(p)  # noqa: E731
 
 # the tiles whose sdS holds 16-bit dS (templates/sm90/attn_bwd.py.j2: ds_wide): the bf16 route, fp8_pv's BF16 dS, dQ on BF16
@@ -186,9 +187,9 @@ EXPERIMENTS: dict[str, dict] = {
     "splitsl": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True},
                     when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
                     note="bwd_sdp_split and bwd_dq_scale_late"),
-    # round 43: the bf16 D = 128 tile's default before the split and FA4's order (the fused pass, dK issued first)
+    # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
-                    note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tile before round 43)"),
+                    note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),
     # both on the bf16 tile (forty-first session): FA4's order and FA4's dQ scale
     "dqfsl": dict(over={"bwd_dq_first": True, "bwd_dq_scale_late": True}, when=_bf16_split_off,
                   note="bwd_dq_first and bwd_dq_scale_late on the bf16 tile"),

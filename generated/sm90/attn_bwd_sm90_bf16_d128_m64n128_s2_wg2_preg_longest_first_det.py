@@ -64,6 +64,8 @@ PARAMS = {
     "deterministic_dq": True,
     "deterministic": True,
     "bwd_interior_nomask": True,
+    "bwd_sdp_split": True,
+    "bwd_dq_first": True,
     "sm_count": 132,
     "spec_hash": "bbe58ce0be1efd65",
     "flamia_version": "0.1.0",
@@ -780,35 +782,45 @@ class AttnBwdSm90:
         self.gemm(tiled_mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, st], True)
         if const_expr(mask):
             klim = self.key_ranges(tScS, mRowDoc, key0, doc_start, doc_len, window)
-        warpgroup.wait_group(0)
+        # bwd_sdp_split: wait for Sᵀ only (groups complete in order); P runs while dPᵀ is in the tensor cores, dV is
+        # issued, then dPᵀ is waited for with dV in flight and dS follows (FA4's order)
+        warpgroup.wait_group(1)
         rbase = st * self.row_words
-        # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
+        if const_expr(mask):
+            mbits = Uint32(0)  # bit i: pair i is masked (the dS pass zeroes it from this, not from P = 0)
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
             lse2 = self.load2(sRow, rbase + row_word(c, 0))
-            dl = self.load2(sRow, rbase + row_word(c, 1))
             for cp in cutlass.range_constexpr(2):
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     p = ex2(acc_S[i] * scale_log2 - lse2[cp])
-                    ds = p * (acc_dP[i] - dl[cp])
-                    # interior tiles (mask=False): no pair to zero, so no index arithmetic, compares
-                    # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
                         qq = qrow0 + c + cp
                         outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
                         kk = key0 + tScS[2 * rh][0]
                         if outdoc | (kk > qq):
                             p = Float32(0.0)
-                            ds = Float32(0.0)
+                            mbits = mbits | Uint32(1 << i)
                     acc_S[i] = p
-                    acc_dP[i] = ds
         self.convert_p(acc_S, tdVrP)
         self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dPᵀ done; dV runs on
+        for cg in cutlass.range_constexpr(8):
+            c = tScS[4 * cg][1]
+            dl = self.load2(sRow, rbase + row_word(c, 1))
+            for cp in cutlass.range_constexpr(2):
+                for rh in cutlass.range_constexpr(2):
+                    i = cp + 2 * rh + 4 * cg
+                    ds = acc_S[i] * (acc_dP[i] - dl[cp])
+                    # a masked pair's dPᵀ may be another document's (even NaN): zero it again, not by P = 0
+                    if const_expr(mask):
+                        if (mbits & Uint32(1 << i)) != Uint32(0):
+                            ds = Float32(0.0)
+                    acc_dP[i] = ds
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             acc_S[i] = acc_dP[i]
         self.convert_p(acc_S, tdKrdS)
-        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
         dqf = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
             dqf[rh] = softmax_scale
@@ -821,9 +833,8 @@ class AttnBwdSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(tiled_mma_dq.get_slice(0).partition_shape_C((m, self.head_dim)), Float32)
         self.gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrK, True)
-        warpgroup.wait_group(0)
-        pipe_q.consumer_release(q_state)
-        q_state.advance()
+        self.gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dV, dQ done (in order); dK runs on under the dQ epilogue
         # fp32 partial dQ of this key tile: reduce-add into dq_accum (rows of this document only)
         HQ = mdQacc.shape[1]
         # deterministic: wait for this key tile's turn (sem == n: key tiles 0 … n − 1 have added)
@@ -843,6 +854,9 @@ class AttnBwdSm90:
                 f = dqf[j % 2]
                 red_add_v2_f32(mdQacc.iterator + off, acc_dQ[2 * j] * f, acc_dQ[2 * j + 1] * f)
         self.pass_dq_turn(sem_ptr, tidx)
+        warpgroup.wait_group(0)  # dK has read the Q stage (its B) and written acc_dK
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
         bufs[0] = 1 - buf
         return q_state
 

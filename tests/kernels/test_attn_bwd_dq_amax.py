@@ -189,6 +189,30 @@ def test_compile_trim_variant(fp8_variant, compile_sm90, tmp_path, det):
 
 
 # ----------------------------------------------------------------------------- bench.bwd_experiments
+def test_bwd_experiments_bf16_split_tags_at_d64():
+    """At D = 64 the bf16 tiles without the split default (the deterministic ones, round 44) take the split tags, each
+    with its flags; the non-deterministic ones take nosplit, which renders neither flag."""
+    from flamia_gen.bench import bwd_experiments as bx
+    from flamia_gen.bench.fwd_experiments import experiment_variants
+
+    bwd, _ = bx.base_variants(routes=("bf16",), head_dim=64)
+    tags = ("dqfirst", "dqfsl", "split", "splitdqf", "splitsl", "nosplit")
+    tagged = experiment_variants(tags, base_variants=bwd, experiments=bx.EXPERIMENTS)
+    want = {"dqfirst": {"bwd_dq_first"}, "dqfsl": {"bwd_dq_first", "bwd_dq_scale_late"}, "split": {"bwd_sdp_split"},
+            "splitdqf": {"bwd_sdp_split", "bwd_dq_first"}, "splitsl": {"bwd_sdp_split", "bwd_dq_scale_late"},
+            "nosplit": set()}
+    seen = {}
+    for tag, v in tagged:
+        if not tag:
+            continue
+        seen[tag] = seen.get(tag, 0) + 1
+        p = rendered_params(render_variant(v))
+        flags = {f for f in ("bwd_sdp_split", "bwd_dq_first", "bwd_dq_scale_late") if p.get(f) is True}
+        assert flags == want[tag], (tag, v.name)
+        assert bool(dict(v.params).get("deterministic")) is (tag != "nosplit"), (tag, v.name)
+    assert seen == {t: 2 for t in tags}  # causal or not
+
+
 def test_bwd_experiments_variants_names_and_support():
     """One bundle: every default backward of the routes at D = 128, the trim copies of the fp8 ones
     (render-context overrides in their params), and one forward per (route, causality) plus the
@@ -213,12 +237,13 @@ def test_bwd_experiments_variants_names_and_support():
     # non-deterministic tiles, where norwe (and kt, for nokt) undo it: still 4 of each pair; round 40's dqsl (dQ's row
     # factor left to the conversion) on bf16's 4, and since round 41 on fp8_token's 4 (its bwd_dof_fold tiles); round
     # 41's dqfirst (FA4's order; fp8_token's have it by default), dqfsl (both), split and splitdqf (the Sᵀ wait split
-    # from dPᵀ's) and splitsl (split + dqsl) on bf16's 2 deterministic tiles — since round 43 its 2 others take the split
-    # and dqfirst by default, where nosplit undoes both — and since round 42 split and splitsl on fp8_token's 2
-    # non-deterministic tiles (those with bwd_rw_early): 2 each of dqfirst, dqfsl, split (bf16), split (fp8_token),
-    # splitdqf, splitsl (bf16), splitsl (fp8_token), nosplit
+    # from dPᵀ's) and splitsl (split + dqsl) build on bf16's tiles without the split default — since round 44 only the
+    # D = 64 deterministic ones, none of them at D = 128 here — and nosplit undoes the default on bf16's 4 (round 43: the
+    # 2 non-deterministic, round 44: the 2 deterministic); since round 42 split and splitsl on fp8_token's 2
+    # non-deterministic tiles (those with bwd_rw_early): 2 each of split and splitsl (fp8_token), 4 nosplit
     assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
-                                             + 2 + 2 + 2 + 2 + 2 + 2 + 2 + 2)
+                                             + 2 + 2 + 4)
+    assert not [n for t, n in zip((t for t, _ in tagged), names) if t in ("dqfirst", "dqfsl", "splitdqf")]
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
         if tag == "dqw1":
@@ -249,31 +274,18 @@ def test_bwd_experiments_variants_names_and_support():
             src = _render_fp8_dq(v, bwd_dq_bf16=True)
             assert v.route == "fp8_token" and ('"bwd_no_kt": True' in src) is (tag == "nokt")
             assert bool(dict(v.params).get("deterministic")) is (tag == "nokt")
-        elif tag == "dqfirst":
-            if v.route == "bf16":  # the deterministic tiles (the others take it by default since round 43)
-                assert rendered_params(render_variant(v)).get("bwd_dq_first") is True
-                assert dict(v.params).get("deterministic") is True
-            else:
-                assert v.route == "fp8_token" and '"bwd_dq_first": True' in _render_fp8_dq(v, bwd_dq_bf16=True)
-        elif tag in ("split", "splitdqf", "splitsl"):  # tests/kernels/test_attn_bwd_sdp_split.py
+        elif tag in ("split", "splitsl"):  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
             assert p.get("bwd_sdp_split") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "splitsl")
-            if v.route == "bf16":  # its deterministic tiles: the others take split and dqfirst by default
-                assert (p.get("bwd_dq_first") is True) is (tag == "splitdqf")
-                assert dict(v.params).get("deterministic") is True
-            else:  # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default)
-                assert v.route == "fp8_token" and tag != "splitdqf" and p.get("bwd_rw_early") is True
-        elif tag == "nosplit":  # round 43's bf16 default undone: the fused pass, dK issued before dQ
+            # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default); bf16's have the split
+            assert v.route == "fp8_token" and p.get("bwd_rw_early") is True
+        elif tag == "nosplit":  # rounds 43–44's bf16 default undone: the fused pass, dK issued before dQ
             p = rendered_params(render_variant(v))
-            assert v.route == "bf16" and "deterministic" not in dict(v.params)
+            assert v.route == "bf16"
             assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
             b = next(x for x in bwd if x.name == bx.split_name(v.name, bx.EXPERIMENTS)[0])
             pb = rendered_params(render_variant(b))
             assert pb.get("bwd_sdp_split") is True and pb.get("bwd_dq_first") is True
-        elif tag == "dqfsl":
-            p = rendered_params(render_variant(v))
-            assert v.route == "bf16" and p.get("bwd_dq_first") is True and p.get("bwd_dq_scale_late") is True
-            assert dict(v.params).get("deterministic") is True
         elif tag == "nodoffold":
             src = render_variant(v)
             assert v.route == "fp8_token" and '"bwd_dof_fold"' not in src and '"bwd_row_swz": True' in src
@@ -287,8 +299,8 @@ def test_bwd_experiments_variants_names_and_support():
             assert (p.get("bwd_ds_stsm") is True) is (tag != "nostsm")
             if v.route == "bf16":  # stmatrix on its non-deterministic tiles since round 39 (nostsm), off on the _det
                 assert (tag == "nostsm") is not bool(dict(v.params).get("deterministic"))
-                # (FA4's order is the non-deterministic tiles' default since round 43, the _det's experiment)
-                assert tag in ("stsm", "nostsm") and ("bwd_dq_first" in p) is (tag == "nostsm")
+                # (FA4's order with the split: the non-deterministic tiles' default since round 43, the _det's since 44)
+                assert tag in ("stsm", "nostsm") and p.get("bwd_dq_first") is True and p.get("bwd_sdp_split") is True
             else:  # fp8_token's D = 128 tiles, deterministic or not: both flags on by default since round 35
                 assert (p.get("bwd_dq_first") is True) is (tag in ("stsmdqf", "nostsm"))
                 assert v.route == "fp8_token" and tag in ("nostsm", "nodqfirst")

@@ -29,13 +29,14 @@ DQ16 = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]
 
 
 ON = [v for v in DQ16 if v.param("head_dim") == 128 or not dict(v.params).get("deterministic")]
-# round 43: the bf16 route's D = 128 non-deterministic tile takes it with bwd_sdp_split (FA4's order)
-ON_BF16 = [v for v in BWD if v.route == "bf16" and v.param("head_dim") == 128 and not dict(v.params).get("deterministic")]
+# the bf16 route's tiles take it with bwd_sdp_split (FA4's order): D = 128 (round 43; deterministic since round 44) and
+# D = 64 non-deterministic (round 44)
+ON_BF16 = [v for v in BWD if v.route == "bf16" and (v.param("head_dim") == 128 or not dict(v.params).get("deterministic"))]
 
 
 def test_default_on_every_d128_tile_and_the_non_deterministic_d64_ones():
     assert len(ON) == 12  # two routes × causal or not × (D = 128 det or not, D = 64 not deterministic)
-    assert len(ON_BF16) == 2  # causal or not
+    assert len(ON_BF16) == 6  # (D = 128 det or not, D = 64 not deterministic) × causal or not
     for v in BWD:
         assert (rendered_params(render_variant(v)).get("bwd_dq_first") is True) is (v in ON + ON_BF16), v.name
 
@@ -81,16 +82,17 @@ def test_refused_without_dq_on_bf16(v):
 def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    # D = 128: every per-token tile has it, the bf16 route's non-deterministic 2 too (round 43); D = 64: the det ones
-    # lack it; the bf16 route's 4 tiles lack it there
-    for hd, n_on, n_off in ((128, 2, 8), (64, 8, 4)):
+    # D = 128: every per-token tile has it, the bf16 route's 4 too (rounds 43–44); D = 64: the det ones lack it (the
+    # bf16 route's 2 among them: its 2 others have it since round 44)
+    for hd, n_on, n_off in ((128, 0, 8), (64, 6, 4)):
         bwd, _ = base_variants(routes=("fp8_token", "fp8_token_bf16qk", "fp8_pv", "bf16"), head_dim=hd)
         on = [v for t, v in experiment_variants(("dqfirst",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqfirst"]
         off = [v for t, v in experiment_variants(("nodqfirst",), base_variants=bwd, experiments=EXPERIMENTS)
                if t == "nodqfirst"]
         assert len(on) == n_on and len(off) == n_off
         assert {v.route for v in off} == {"fp8_token", "fp8_token_bf16qk"}
-        assert {v.route for v in on} == ({"bf16"} if hd == 128 else {"bf16", "fp8_token", "fp8_token_bf16qk"})
+        assert {v.route for v in on} == (set() if hd == 128 else {"bf16", "fp8_token", "fp8_token_bf16qk"})
+        assert all(dict(v.params).get("deterministic") for v in on)
         # each tag turns the flag the other way from its base kernel's default (the tags' `when` mirrors the template)
         base = lambda v: rendered_params(  # noqa: E731
             render_variant(next(b for b in bwd if v.name.startswith(b.name + "_x"))))

@@ -1,9 +1,9 @@
 """The Sᵀ wait split from the dPᵀ wait (flag `bwd_sdp_split`; bf16 tile since the forty-first session, fp8_token's
 D = 128 tile since the forty-second; with bwd_dq_first the default of the bf16 route's D = 128 non-deterministic tile
-since round 43, off elsewhere; templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–43): P and dV's issue while
-dPᵀ runs, dS while dV runs.
+since round 43 and of its D = 128 deterministic and D = 64 non-deterministic tiles since round 44, off elsewhere;
+templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–44): P and dV's issue while dPᵀ runs, dS while dV runs.
 
-CPU: on in exactly the bf16 D = 128 non-deterministic default renders (with bwd_dq_first); on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
+CPU: on in exactly those bf16 default renders (with bwd_dq_first); on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
 dPᵀ with dV in flight (wait_group(1)) and only then reads dPᵀ for dS; the P pass records the masked pairs and the dS
 pass zeroes them from that record (a masked pair's dPᵀ may be NaN: P = 0 times it is not 0); on fp8_token's tile acc_S
 keeps P unscaled and dV's operand takes its factor in the conversion. Refused on the other FP8 tiles and without
@@ -30,12 +30,16 @@ FP8T = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
         and not dict(v.params).get("deterministic")]
 
 
-# round 43: the split and FA4's order (bwd_dq_first) are the default of these two (causal, non-causal) and no other
-DEFAULT_ON = [v for v in BF16 if v.param("head_dim") == 128 and not dict(v.params).get("deterministic")]
+# the split and FA4's order (bwd_dq_first) are the default of these six and no other: bf16 D = 128 (round 43; its
+# deterministic copies since round 44) and D = 64 non-deterministic (round 44), causal or not
+DEFAULT_ON = [v for v in BF16 if v.param("head_dim") == 128 or not dict(v.params).get("deterministic")]
 
 
-def test_default_on_the_bf16_d128_tile_only():
-    assert len(DEFAULT_ON) == 2 and {bool(v.param("causal")) for v in DEFAULT_ON} == {True, False}
+def test_default_on_the_bf16_tiles_but_the_d64_deterministic_ones():
+    assert len(DEFAULT_ON) == 6 and {bool(v.param("causal")) for v in DEFAULT_ON} == {True, False}
+    assert {(v.param("head_dim"), bool(dict(v.params).get("deterministic"))) for v in DEFAULT_ON} == {
+        (128, False), (128, True), (64, False)}
+    assert len([v for v in BF16 if v not in DEFAULT_ON]) == 2  # D = 64 deterministic, causal or not: fused
     for v in BWD:
         p = rendered_params(render_variant(v))
         assert (p.get("bwd_sdp_split") is True) is (v in DEFAULT_ON), v.name
@@ -122,31 +126,34 @@ def test_refused_without_mask_free_interior_tiles():
 def test_ab_tags():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
-    got = [(t, v) for t, v in experiment_variants(("split", "splitdqf"), base_variants=bwd, experiments=EXPERIMENTS)
-           if t]  # "" tags the base variants the copies are compared with
-    assert {t for t, _ in got} == {"split", "splitdqf"}
-    assert {v.route for t, v in got if t == "splitdqf"} == {"bf16"}  # fp8_token's tile has bwd_dq_first already
-    # bf16's copies build on its deterministic tiles only (the other two have both flags by default: nosplit there)
-    assert all(dict(v.params).get("deterministic") for t, v in got if v.route == "bf16")
-    n_bf16 = sum(1 for v in bwd if v.route == "bf16" and dict(v.params).get("deterministic"))
-    assert n_bf16 == 2
-    undo = [v for t, v in experiment_variants(("nosplit",), base_variants=bwd, experiments=EXPERIMENTS) if t]
-    assert sorted(v.name for v in undo) == sorted(v.name + "_xnosplit" for v in DEFAULT_ON)
-    for v in undo:
-        p = rendered_params(render_variant(v))
-        assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
-    n_fp8 = sum(1 for v in bwd if v.name in {x.name for x in FP8T})
-    assert n_fp8 >= 2 and len(got) == 2 * n_bf16 + n_fp8
-    for t, v in got:
-        p = rendered_params(render_variant(v))
-        assert p["bwd_sdp_split"] is True
-        assert (p.get("bwd_dq_first") is True) is (t == "splitdqf" or v.route == "fp8_token")
-    sl = [v for t, v in experiment_variants(("splitsl",), base_variants=bwd, experiments=EXPERIMENTS) if t]
-    assert len(sl) == n_bf16 + n_fp8
-    for v in sl:
-        p = rendered_params(render_variant(v))
-        assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True
+    for hd in (128, 64):
+        bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=hd)
+        got = [(t, v) for t, v in experiment_variants(("split", "splitdqf"), base_variants=bwd,
+                                                      experiments=EXPERIMENTS) if t]  # "" tags the base variants
+        # bf16's copies build on the tiles without the split default only: the D = 64 deterministic ones (round 44)
+        off = [v for v in bwd if v.route == "bf16" and v not in DEFAULT_ON]
+        assert len(off) == (0 if hd == 128 else 2)
+        assert sorted(v.name for t, v in got if v.route == "bf16") == sorted(
+            v.name + "_x" + t for v in off for t in ("split", "splitdqf"))
+        # fp8_token's tile (D = 128, bwd_rw_early) takes split only: it has bwd_dq_first already
+        fp8 = [v for v in bwd if v.name in {x.name for x in FP8T}]
+        assert len(fp8) == (2 if hd == 128 else 0)
+        assert sorted(v.name for t, v in got if v.route == "fp8_token") == sorted(v.name + "_xsplit" for v in fp8)
+        for t, v in got:
+            p = rendered_params(render_variant(v))
+            assert p["bwd_sdp_split"] is True
+            assert (p.get("bwd_dq_first") is True) is (t == "splitdqf" or v.route == "fp8_token")
+        undo = [v for t, v in experiment_variants(("nosplit",), base_variants=bwd, experiments=EXPERIMENTS) if t]
+        assert sorted(v.name for v in undo) == sorted(v.name + "_xnosplit" for v in DEFAULT_ON
+                                                      if v.param("head_dim") == hd)
+        for v in undo:
+            p = rendered_params(render_variant(v))
+            assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
+        sl = [v for t, v in experiment_variants(("splitsl",), base_variants=bwd, experiments=EXPERIMENTS) if t]
+        assert len(sl) == len(off) + len(fp8)
+        for v in sl:
+            p = rendered_params(render_variant(v))
+            assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True
 
 
 @pytest.mark.compile
