@@ -187,6 +187,13 @@ EXPERIMENTS: dict[str, dict] = {
     "splitsl": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True},
                     when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
                     note="bwd_sdp_split and bwd_dq_scale_late"),
+    # the split on the interior copy of the tile only, the masked copy fused (forty-fourth session; fp8_token's split
+    # paid on the masked path and in registers, round 43); on bf16's split tiles and fp8_token's, with dqsl on the latter
+    "splitint": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True},
+                     when=lambda p: _bf16_split_default(p) or _fp8_token_d128(p),
+                     note="bwd_sdp_split on interior tiles only (masked tiles fused)"),
+    "splitslint": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True, "bwd_dq_scale_late": True},
+                       when=_fp8_token_d128, note="splitint and bwd_dq_scale_late"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),
