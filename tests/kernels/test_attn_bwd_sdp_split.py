@@ -156,6 +156,58 @@ def test_ab_tags():
             assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True
 
 
+@pytest.mark.parametrize("v", [next(x for x in BF16 if x in DEFAULT_ON and x.param("causal") and x.param("head_dim") == 128)]
+                         + [x for x in FP8T if x.param("causal")], ids=lambda v: v.name)
+def test_split_on_interior_tiles_only(v):
+    """bwd_sdp_split_interior (forty-fourth session, experiment): the interior copy of one_tile (mask=False) runs the
+    split, the masked copy the fused pass; the same pass bodies as the split and fused renders, one level deeper."""
+    src = render_with_flags(v, bwd_sdp_split=True, bwd_sdp_split_interior=True)
+    assert rendered_params(src)["bwd_sdp_split_interior"] is True
+    t = one_tile(src)
+    fp8 = v.route == "fp8_token"
+    head = "        if const_expr(not mask):\n            # bwd_sdp_split_interior"
+    assert t.count(head) == 1
+    split_at, else_at = t.index(head), t.index("\n        else:\n", t.index(head))
+    split_part, fused_part = t[split_at:else_at], t[else_at:]
+    # the split branch: Sᵀ waited alone, dV issued, then the dPᵀ wait; the fused branch: both waited together
+    assert "            warpgroup.wait_group(1)" in split_part and "warpgroup.wait_group(0)" not in split_part
+    assert fused_part.index("            warpgroup.wait_group(0)") < fused_part.index(
+        "            self.gemm(tiled_mma_dkv, acc_dV, tdVrP,")
+    assert "mbits" not in fused_part and t.count("self.gemm(tiled_mma_dkv, acc_dV,") == 2
+    # each branch is the flagged render's pass, indented one level
+    ref_split = one_tile(render_with_flags(v, bwd_sdp_split=True))
+    ref_fused = one_tile(render_with_flags(v, bwd_sdp_split=False, **({} if fp8 else {"bwd_dq_first": True})))
+    deeper = lambda block: "\n".join(("    " + ln) if ln else ln for ln in block.split("\n"))  # noqa: E731
+    first_split = "# bwd_sdp_split (fp8_token)" if fp8 else "# bwd_sdp_split: wait for Sᵀ only"
+    s0 = ref_split.index(first_split)
+    s1 = ref_split.index("self.gemm(tiled_mma_dkv, acc_dV, tdVrP,", s0)
+    assert deeper(ref_split[s0:s1].rstrip()).strip() in split_part
+    f0 = ref_fused.index("        warpgroup.wait_group(0)\n")
+    f1 = ref_fused.index("self.gemm(tiled_mma_dkv, acc_dV, tdVrP,", f0)
+    assert deeper(ref_fused[f0:f1].rstrip()).strip() in fused_part
+    # the other renders carry no trace of the flag
+    for other in (render_variant(v), render_with_flags(v, bwd_sdp_split=True)):
+        assert "bwd_sdp_split_interior" not in other
+
+
+def test_split_interior_needs_the_split():
+    v = next(x for x in FP8T if x.param("causal"))
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_sdp_split_interior_needs_bwd_sdp_split"):
+        render_with_flags(v, bwd_sdp_split=False, bwd_sdp_split_interior=True)
+    tags = dict(bx_tags(("splitint", "splitslint")))
+    assert len(tags["splitint"]) == 4 and len(tags["splitslint"]) == 2  # bf16's 2 split tiles + fp8_token's 2; fp8's 2
+    assert {v.route for v in tags["splitslint"]} == {"fp8_token"}
+
+
+def bx_tags(tags):
+    from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
+
+    bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
+    bwd = [v for v in bwd if not dict(v.params).get("deterministic")]
+    got = experiment_variants(tags, base_variants=bwd, experiments=EXPERIMENTS)
+    return [(t, [v for tt, v in got if tt == t]) for t in tags]
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("route", ["bf16", "fp8_token"])
 def test_compile_not_serialised_and_no_spill_stores(route, compile_sm90, tmp_path):
@@ -174,3 +226,23 @@ def test_compile_not_serialised_and_no_spill_stores(route, compile_sm90, tmp_pat
     assert all(lp["stl"] == 0 for lp in d["loops"]), d["loops"]
     if route == "bf16":
         assert d["stack"] == 0 and all(lp["ldl"] == 0 for lp in d["loops"])
+
+
+
+@pytest.mark.compile
+def test_compile_interior_split_fp8_token(compile_sm90, tmp_path):
+    """fp8_token with bwd_sdp_split_interior and bwd_dq_scale_late (tag splitslint; sm_90a in the forty-fourth session:
+    interior path 801 instructions, 4 spill loads, against the default's 859 and 8): the split's waits in the interior
+    copy, no wgmma serialised, and its interior path issues fewer instructions than the default's."""
+    from flamia_gen.bench.sass import describe, missing_tools, serialised
+
+    if missing_tools():
+        pytest.skip(missing_tools())
+    v = next(x for x in FP8T if x.param("causal"))
+    ptx = compile_sm90(v, source=render_with_flags(v, bwd_sdp_split=True, bwd_sdp_split_interior=True,
+                                                   bwd_dq_scale_late=True))
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) >= 2  # the interior copy's two
+    d = describe(str(tmp_path / f"{v.name}.o"))
+    assert d["loops"] and not any(serialised(lp) for lp in d["loops"]), d["loops"]
+    paths = [lp["paths"] for lp in d["loops"] if lp.get("paths")]
+    assert paths and paths[0][0]["instructions"] < 859, paths
