@@ -75,6 +75,10 @@ _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
 # the template also asks for mask-free interior tiles, which every base variant here has
 _bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3"  # noqa: E731
                                  and (p.get("head_dim") == 128 or not p.get("deterministic")))
+# the tiles bwd_dq_convert builds for (the call has no second pass, no extra inputs): bf16's and fp8_token's with
+# bwd_rw_early, not deterministic
+_plain_bwd = lambda p: not p.get("deterministic") and (  # noqa: E731
+    _bf16_split_default(p) or _fp8_token_d128(p))
 # the bf16 tiles where the split and FA4's order are experiments still (the D = 64 `_det` copies)
 _bf16_split_off = lambda p: p.get("v_fmt") != "e4m3" and not _bf16_split_default(p)  # noqa: E731
 
@@ -194,6 +198,16 @@ EXPERIMENTS: dict[str, dict] = {
                      note="bwd_sdp_split on interior tiles only (masked tiles fused)"),
     "splitslint": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True, "bwd_dq_scale_late": True},
                        when=_fp8_token_d128, note="splitint and bwd_dq_scale_late"),
+    # the call converts dq_accum itself, in one vectorised launch after the backward (forty-fourth session: round 44
+    # measured the runtime's torch conversion with dqsl's row factor at half the plain cast's bandwidth)
+    "dqc": dict(over={"bwd_dq_convert": True}, when=lambda p: _plain_bwd(p),
+                note="BF16 dQ written by the call's own conversion launch"),
+    "dqcsl": dict(over={"bwd_dq_convert": True, "bwd_dq_scale_late": True}, when=lambda p: _plain_bwd(p),
+                  note="bwd_dq_convert and bwd_dq_scale_late: the row factor in the call's conversion"),
+    "splitslc": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True, "bwd_dq_convert": True},
+                     when=_fp8_token_d128, note="splitsl with the call's conversion"),
+    "splitslintc": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True, "bwd_dq_scale_late": True,
+                              "bwd_dq_convert": True}, when=_fp8_token_d128, note="splitslint with the call's conversion"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),

@@ -186,8 +186,9 @@ def is_cubin(blob: bytes) -> bool:
     return len(blob) >= 64 and blob[:4] == b"\x7fELF" and struct.unpack_from("<H", blob, 18)[0] == EM_CUDA
 
 
-def describe(so: str, dump: str | None = None) -> dict:
-    """{resources, loops} of the (single) kernel cubin in `so` (a bundle `.so`, the build's `.o`, or a `.cubin`)."""
+def _listings(so: str) -> tuple[str, str]:
+    """(cuobjdump -res-usage, nvdisasm -c) of the (single) cubin in `so` (a bundle `.so`, the build's `.o`, or a
+    `.cubin`)."""
     blob = Path(so).read_bytes()
     cubins = [blob] if is_cubin(blob) else extract_cubins(blob)
     if not cubins:
@@ -197,11 +198,32 @@ def describe(so: str, dump: str | None = None) -> dict:
         cub.write_bytes(cubins[0])
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cub)], capture_output=True, text=True).stdout
         sass = subprocess.run([_tool("nvdisasm"), "-c", str(cub)], capture_output=True, text=True).stdout
+    return res, sass
+
+
+def describe(so: str, dump: str | None = None) -> dict:
+    """{resources, loops} of the kernel cubin in `so` (a bundle `.so`, the build's `.o`, or a `.cubin`). A module
+    may hold a small second kernel (a backward's `bwd_dq_convert` launch): REG and STACK are the largest
+    function's (the attention kernel's), `functions` counts them."""
+    res, sass = _listings(so)
     if dump:
         Path(dump).write_text(sass)
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    return dict(reg=int(usage.group(1)) if usage else None, stack=int(usage.group(2)) if usage else None,
+    usages = [(int(r), int(st)) for r, st in re.findall(r"REG:(\d+) STACK:(\d+)", res)]
+    reg, stack = max(usages) if usages else (None, None)
+    return dict(reg=reg, stack=stack, functions=len(usages),
                 loops=tile_loops(sass), instructions=sum(1 for x in sass.splitlines() if _INSTR.search(x)))
+
+
+def function_sass(so: str, contains: str) -> list[str]:
+    """The instruction lines of the one function of `so` whose name contains `contains` (e.g. "dq_convert")."""
+    _, sass = _listings(so)
+    heads = [(m.start(), m.group(1)) for m in re.finditer(r"^\s*\.text\.(\S+):", sass, re.M)]
+    hits = [(i, n) for i, (_, n) in enumerate(heads) if contains in n]
+    if len(hits) != 1:
+        raise SystemExit(f"{so}: {len(hits)} functions named like {contains!r}: {[n for _, n in heads]}")
+    i = hits[0][0]
+    body = sass[heads[i][0]:heads[i + 1][0] if i + 1 < len(heads) else len(sass)]
+    return [x.strip() for x in body.splitlines() if _INSTR.search(x)]
 
 
 def main(argv=None) -> int:

@@ -479,7 +479,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                  do_t_scale: torch.Tensor | None = None, k_diag: torch.Tensor | None = None,
                  k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None,
                  qk_tensor_scale: torch.Tensor | None = None, trusted: bool = False):
-    """Call a compiled attention backward; returns (dq BF16 (T, HQ, D), dk, dv BF16 (T, HKV, D),
+    """Call a compiled attention backward; returns (dq BF16 (T, HQ, D) — the kernel call's own when its ARGS name
+    `dq` (bwd_dq_convert), else `dq_from_accum` of the accumulator —, dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D): the kernel's accumulator storage — head-major and chunk-swizzled for a
     `bwd_dq_tile_copy` kernel, whose natural fp32 dQ is `dq_accum_natural(dq_accum)`).
 
@@ -567,6 +568,12 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     by_name = {"lse": lse, "delta": delta, "cu_seqlens": schedule.cu, "row_doc": schedule.row_doc,
                "work": schedule.work,
                "softmax_scale": float(softmax_scale), "dq_accum": dq_accum, "dk": dk, "dv": dv}
+    dq = None
+    if any(a["name"] == "dq" for a in args_spec):
+        # bwd_dq_convert: the call's second launch writes BF16 dQ (every element: poisoned like dK, dV)
+        dq = (torch.full((T, HQ, D), float("nan"), dtype=torch.bfloat16, device=dev) if poison
+              else torch.empty((T, HQ, D), dtype=torch.bfloat16, device=dev))
+        by_name["dq"] = dq
     if det:
         if dq_sem is None:
             dq_sem = torch.zeros((HQ, num_dq_tiles(T, cu_seqlens.numel() - 1, tile_m, align)),
@@ -609,7 +616,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if two_pass:
         by_name["amax_pass"] = 0
         fn(*[by_name[a["name"]] for a in args_spec])
-    return dq_from_accum(dq_accum, params, softmax_scale, do_scale if fp8 else None), dk, dv, dq_accum
+    if dq is None:
+        dq = dq_from_accum(dq_accum, params, softmax_scale, do_scale if fp8 else None)
+    return dq, dk, dv, dq_accum
 
 
 def dq_from_accum(dq_accum, params: dict, softmax_scale: float, do_scale=None):

@@ -241,9 +241,11 @@ def test_bwd_experiments_variants_names_and_support():
     # D = 64 deterministic ones, none of them at D = 128 here — and nosplit undoes the default on bf16's 4 (round 43: the
     # 2 non-deterministic, round 44: the 2 deterministic); since round 42 split and splitsl on fp8_token's 2
     # non-deterministic tiles (those with bwd_rw_early): 2 each of split and splitsl (fp8_token), 4 nosplit; the
-    # forty-fourth session's splitint on bf16's 4 split tiles and fp8_token's 2, splitslint on fp8_token's 2
+    # forty-fourth session's splitint on bf16's 4 split tiles and fp8_token's 2, splitslint on fp8_token's 2; the
+    # call's own dQ conversion: dqc and dqcsl on the 4 non-deterministic of those, splitslc and splitslintc on
+    # fp8_token's 2
     assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
-                                             + 2 + 2 + 4 + 6 + 2)
+                                             + 2 + 2 + 4 + 6 + 2 + 4 + 4 + 2 + 2)
     assert not [n for t, n in zip((t for t, _ in tagged), names) if t in ("dqfirst", "dqfsl", "splitdqf")]
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
@@ -280,6 +282,11 @@ def test_bwd_experiments_variants_names_and_support():
             assert p.get("bwd_sdp_split") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "splitsl")
             # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default); bf16's have the split
             assert v.route == "fp8_token" and p.get("bwd_rw_early") is True
+        elif tag in ("dqc", "dqcsl", "splitslc", "splitslintc"):  # tests/kernels/test_attn_bwd_dq_convert.py
+            p = rendered_params(render_variant(v))
+            assert p.get("bwd_dq_convert") is True and (p.get("bwd_dq_scale_late") is True) is (tag != "dqc")
+            assert (p.get("bwd_sdp_split_interior") is True) is (tag == "splitslintc")
+            assert "deterministic" not in dict(v.params) and (v.route == "fp8_token" or tag in ("dqc", "dqcsl"))
         elif tag in ("splitint", "splitslint"):  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
             assert p.get("bwd_sdp_split") is True and p.get("bwd_sdp_split_interior") is True
