@@ -200,9 +200,9 @@ EXPERIMENTS: dict[str, dict] = {
                        when=_fp8_token_d128, note="splitint and bwd_dq_scale_late"),
     # the call converts dq_accum itself, in one vectorised launch after the backward (forty-fourth session: round 44
     # measured the runtime's torch conversion with dqsl's row factor at half the plain cast's bandwidth)
-    "dqc": dict(over={"bwd_dq_convert": True}, when=lambda p: _plain_bwd(p),
+    "dqc": dict(over={"bwd_dq_convert": True}, when=_plain_bwd,
                 note="BF16 dQ written by the call's own conversion launch"),
-    "dqcsl": dict(over={"bwd_dq_convert": True, "bwd_dq_scale_late": True}, when=lambda p: _plain_bwd(p),
+    "dqcsl": dict(over={"bwd_dq_convert": True, "bwd_dq_scale_late": True}, when=_plain_bwd,
                   note="bwd_dq_convert and bwd_dq_scale_late: the row factor in the call's conversion"),
     "splitslc": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True, "bwd_dq_convert": True},
                      when=_fp8_token_d128, note="splitsl with the call's conversion"),
