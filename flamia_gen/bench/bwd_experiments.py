@@ -79,6 +79,8 @@ _bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3"  # noqa: E731
 # bwd_rw_early, not deterministic
 _plain_bwd = lambda p: not p.get("deterministic") and (  # noqa: E731
     _bf16_split_default(p) or _fp8_token_d128(p))
+# bf16's of those (fp8_token's has the call's conversion by default since round 45)
+_bf16_plain_bwd = lambda p: _plain_bwd(p) and not _fp8_token_d128(p)  # noqa: E731
 # the bf16 tiles where the split and FA4's order are experiments still (the D = 64 `_det` copies)
 _bf16_split_off = lambda p: p.get("v_fmt") != "e4m3" and not _bf16_split_default(p)  # noqa: E731
 
@@ -173,41 +175,44 @@ EXPERIMENTS: dict[str, dict] = {
     "rwe": dict(over={"bwd_rw_early": True}, when=lambda p: _rwe_tile(p) and not _fp8_token_d128(p),
                 note="column group 0's per-query words (LSE, D, Q factor) loaded between the Sᵀ/dPᵀ issue and their wait"),
     "norwe": dict(over={"bwd_rw_early": False}, when=_fp8_token_d128,
-                  note="column group 0's per-query words loaded after the Sᵀ/dPᵀ wait (the kernel before round 38)"),
+                  note="column group 0's per-query words loaded after the Sᵀ/dPᵀ wait (the kernel before round 38; "
+                       "round 45's split, dqsl and conversion need them early: off with it)"),
     # bwd_dq_scale_late (fortieth session; FA4's SASS: its tile leaves dQ's scale to the post-processing): the bf16
     # route's dQ partial without its softmax-scale multiply, and since the forty-first the per-token dQ-on-BF16 tiles'
     # without softmax_scale·2^edo; the runtime's dQ conversion applies the row factor once (dQ to the last bits)
-    "dqsl": dict(over={"bwd_dq_scale_late": True}, when=lambda p: p.get("v_fmt") != "e4m3" or _dq16_per_token(p),
+    # (round 45: fp8_token's D = 128 non-deterministic tile has it by default, with the split and the call's conversion)
+    "dqsl": dict(over={"bwd_dq_scale_late": True},
+                 when=lambda p: (p.get("v_fmt") != "e4m3" or _dq16_per_token(p)) and not _fp8_token_d128(p),
                  note="dQ partial reduce-added without its row factor; the dQ conversion multiplies by it"),
     # bwd_sdp_split (forty-first session; round 41's profile: our consumers wait on wgmma completion 2.4× as often as
     # FA4's): the Sᵀ wait split from dPᵀ's, P and dV's issue under dPᵀ, dS under dV; and with bwd_dq_first (FA4's order)
     # (fp8_token's D = 128 tile since the forty-second session: dV's operand scaled in its conversion)
-    "split": dict(over={"bwd_sdp_split": True}, when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
+    "split": dict(over={"bwd_sdp_split": True}, when=_bf16_split_off,
                   note="Sᵀ waited alone: P and dV's issue while dPᵀ runs, dS while dV runs"),
     "splitdqf": dict(over={"bwd_sdp_split": True, "bwd_dq_first": True}, when=_bf16_split_off,
                      note="bwd_sdp_split and bwd_dq_first on the bf16 tile (FA4's order)"),
     # the split with the dQ scale left to the conversion (forty-second session: on fp8_token's tile the split frees the
     # registers whose lack made round 41's dqsl spill; sm_90a interior path 852 → 800 instructions, spill loads 10 → 3)
     "splitsl": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True},
-                    when=lambda p: _bf16_split_off(p) or _fp8_token_d128(p),
-                    note="bwd_sdp_split and bwd_dq_scale_late"),
+                    when=_bf16_split_off, note="bwd_sdp_split and bwd_dq_scale_late"),
     # the split on the interior copy of the tile only, the masked copy fused (forty-fourth session; fp8_token's split
     # paid on the masked path and in registers, round 43); on bf16's split tiles and fp8_token's, with dqsl on the latter
     "splitint": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True},
                      when=lambda p: _bf16_split_default(p) or _fp8_token_d128(p),
                      note="bwd_sdp_split on interior tiles only (masked tiles fused)"),
-    "splitslint": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True, "bwd_dq_scale_late": True},
-                       when=_fp8_token_d128, note="splitint and bwd_dq_scale_late"),
     # the call converts dq_accum itself, in one vectorised launch after the backward (forty-fourth session: round 44
     # measured the runtime's torch conversion with dqsl's row factor at half the plain cast's bandwidth)
-    "dqc": dict(over={"bwd_dq_convert": True}, when=_plain_bwd,
+    "dqc": dict(over={"bwd_dq_convert": True}, when=_bf16_plain_bwd,
                 note="BF16 dQ written by the call's own conversion launch"),
-    "dqcsl": dict(over={"bwd_dq_convert": True, "bwd_dq_scale_late": True}, when=_plain_bwd,
+    "dqcsl": dict(over={"bwd_dq_convert": True, "bwd_dq_scale_late": True}, when=_bf16_plain_bwd,
                   note="bwd_dq_convert and bwd_dq_scale_late: the row factor in the call's conversion"),
-    "splitslc": dict(over={"bwd_sdp_split": True, "bwd_dq_scale_late": True, "bwd_dq_convert": True},
-                     when=_fp8_token_d128, note="splitsl with the call's conversion"),
-    "splitslintc": dict(over={"bwd_sdp_split": True, "bwd_sdp_split_interior": True, "bwd_dq_scale_late": True,
-                              "bwd_dq_convert": True}, when=_fp8_token_d128, note="splitslint with the call's conversion"),
+    # round 45 (H100, two runs): split + dqsl + the call's conversion (splitslc) on fp8_token's D = 128 tile, causal
+    # 0.93–0.96×, non-causal 0.97–1.00×: its default since; these undo it, wholly or in part
+    "nosplitslc": dict(over={"bwd_sdp_split": False, "bwd_dq_scale_late": False, "bwd_dq_convert": False},
+                       when=_fp8_token_d128,
+                       note="the fused pass, dQ's row factor in the tile, the runtime's cast (fp8_token's tile before round 45)"),
+    "splitnosl": dict(over={"bwd_dq_scale_late": False, "bwd_dq_convert": False}, when=_fp8_token_d128,
+                      note="the split with dQ's row factor in the tile and the runtime's cast (round 43's split)"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),

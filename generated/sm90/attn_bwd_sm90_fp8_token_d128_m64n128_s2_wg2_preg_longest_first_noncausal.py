@@ -83,6 +83,9 @@ PARAMS = {
     "bwd_no_kt": True,
     "bwd_ds_stsm": True,
     "bwd_rw_early": True,
+    "bwd_sdp_split": True,
+    "bwd_dq_convert": True,
+    "bwd_dq_scale_late": True,
     "bwd_dq_first": True,
     "bwd_dof_fold": True,
     "bwd_q_row_perm": True,
@@ -117,6 +120,8 @@ ARGS = [
     {"name": "dq_accum", "dtype": "float32", "shape": ["T", "HQ", "D"], "role": "inout"},
     {"name": "dk", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
     {"name": "dv", "dtype": "bfloat16", "shape": ["T", "HKV", "D"], "role": "out"},
+    # bwd_dq_convert: BF16 dQ, written by the call's second launch
+    {"name": "dq", "dtype": "bfloat16", "shape": ["T", "HQ", "D"], "role": "out"},
 ]
 
 HEAD_DIM = 128
@@ -210,6 +215,13 @@ def pack_bf16x2(lo, hi, *, loc=None, ip=None):
     """(lo, hi) fp32 → one b32 of two BF16 (round to nearest even), lo in the low half."""
     return Uint32(_asm(_T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
                        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip))
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None):
+    """a·b in fp32, round to nearest, subnormals kept (as torch's multiply): no flag can contract or flush it."""
+    return Float32(_asm(_T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                        "mul.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip))
 
 
 @dsl_user_op
@@ -567,6 +579,7 @@ class AttnBwdSm90:
                  mWork: cute.Tensor,
                  mUnitCtr: cute.Tensor,
                  softmax_scale: Float32, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mdQ: cute.Tensor,
                  stream: cuda.CUstream):
         self._setup_attributes()
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq = self._tiled_mmas()
@@ -628,6 +641,36 @@ class AttnBwdSm90:
             mLSE, mDelta, mCu, mRowDoc, mWork, mUnitCtr, mdQacc, mdK, mdV, softmax_scale, scale_log2,
             sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout, sK16_layout,
         ).launch(grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        # bwd_dq_convert: dQ = BF16(dq_accum · row factor), after the backward (stream order)
+        dq_rows = cute.size(mdQacc, mode=[0]) * cute.size(mdQacc, mode=[1])
+        self.dq_convert(mdQacc, mdQ, mdOs, softmax_scale, dq_rows).launch(
+            grid=[(dq_rows + 63) // 64, 1, 1], block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def dq_convert(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mdOs: cute.Tensor, softmax_scale: Float32,
+                   dq_rows: Int32):
+        """64 (token, head) rows a CTA, 16 threads a row, 8 consecutive elements a thread."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        k = tidx % 16
+        for it in cutlass.range_constexpr(8):
+            r = bx * 64 + it * 8 + tidx // 16
+            if r < dq_rows:
+                off = cute.assume(r * 128 + k * 8, divby=8)
+                a = cute.make_rmem_tensor((8,), Float32)
+                cute.autovec_copy(cute.make_tensor(mdQacc.iterator + off, cute.make_layout(8)), a)
+                # softmax_scale·2^edo as runtime.attn_bwd.dq_row_factor builds it: dO's scale code as an fp32
+                # exponent (code 0 → 0), 1 for the NaN code 255
+                code = Uint32(Int32(mdOs.iterator[r])) & Uint32(255)  # the load sign-extends the byte
+                f = bits_f32(code << Uint32(23))
+                if code == Uint32(255):
+                    f = Float32(1.0)
+                f = mul_rn(f, softmax_scale)
+                w = cute.make_rmem_tensor((4,), Uint32)
+                for j in cutlass.range_constexpr(4):
+                    w[j] = pack_bf16x2(mul_rn(a[2 * j], f), mul_rn(a[2 * j + 1], f))
+                cute.autovec_copy(w, cute.make_tensor(cute.recast_ptr(mdQ.iterator + off, dtype=Uint32),
+                                                      cute.make_layout(4)))
 
     @cute.kernel
     def kernel(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
@@ -1049,22 +1092,21 @@ class AttnBwdSm90:
         pre_lse2 = self.load2(sRow, rwb + row_word(tScS[0][1], 0))
         pre_dl = self.load2(sRow, rwb + row_word(tScS[0][1], 1))
         pre_qx = self.load2(sRow, rwb + row_word(tScS[0][1], 2))
-        warpgroup.wait_group(0)
+        # bwd_sdp_split (fp8_token): wait for Sᵀ only; P while dPᵀ runs, dV issued, then dS with dV in flight
+        warpgroup.wait_group(1)
         rbase = st * self.row_words
-        # dV reference of key row r: the max dO exponent over the tile's queries of r's own document (on
-        # masked tiles gathered in the loop below, where the document test is made anyway)
-        mxr = cute.make_rmem_tensor((2,), Int32)  # dO codes (edo + 127): 0 stands for "no query"
-        for rh in cutlass.range_constexpr(2):
-            mxr[rh] = Int32(0)
-        # P = exp2(x − LSE·log2 e), dS = P·(dP − D), both exactly 0 on masked pairs
         qcol0 = query_of_col(tScS[0][1])  # this thread's query offset (tScS[0][1] = 2t)
+        if const_expr(mask):
+            mxr = cute.make_rmem_tensor((2,), Int32)  # 0 stands for "no query"
+            for rh in cutlass.range_constexpr(2):
+                mxr[rh] = Int32(0)
+            mbits = Uint32(0)  # bit i: pair i is masked (the dS pass zeroes it from this, not from P = 0)
         for cg in cutlass.range_constexpr(8):
             c = tScS[4 * cg][1]
             if const_expr(cg == 0):
-                lse2, dl, qx = pre_lse2, pre_dl, pre_qx  # bwd_rw_early
+                lse2, qx = pre_lse2, pre_qx  # bwd_rw_early
             else:
                 lse2 = self.load2(sRow, rbase + row_word(c, 0))
-                dl = self.load2(sRow, rbase + row_word(c, 1))
                 qx = self.load2(sRow, rbase + row_word(c, 2))
             if const_expr(mask):
                 edm = self.load2(sRow, rbase + row_word(c, 5))
@@ -1072,9 +1114,6 @@ class AttnBwdSm90:
                 for rh in cutlass.range_constexpr(2):
                     i = cp + 2 * rh + 4 * cg
                     p = ex2(acc_S[i] * kf[rh] * qx[cp] - lse2[cp])
-                    ds = p * (acc_dP[i] * vf[rh] - dl[cp])  # bwd_dof_fold: ds·2^−edo (dl holds D·2^−edo)
-                    # interior tiles (mask=False): no pair to zero, so no index arithmetic, compares
-                    # or selects; p and ds of a visible pair are the same either way
                     if const_expr(mask):
                         qq = qrow0 + qcol0 + query_of_col(8 * cg + cp)  # the column's query (disjoint bits)
                         outdoc = (qq < klim[rh]) | (qq >= klim[2 + rh])
@@ -1084,15 +1123,19 @@ class AttnBwdSm90:
                         mxr[rh] = cutlass.max(mxr[rh], e)
                         if outdoc:
                             p = Float32(0.0)
-                            ds = Float32(0.0)
+                            mbits = mbits | Uint32(1 << i)
                     acc_S[i] = p
-                    acc_dP[i] = ds
-        # dV: Pᵀ codes = E4M3(P·2^(8 + edo − R_r)); R_r = running max of edo over the queries of key row r's
-        # own document (masked tiles: gathered above with klim), so no document's dV depends on another
-        # document's dO (windows, the FP8 tile head, a tile's tail). Interior tiles: their units' key tiles
-        # lie inside one document, so both rows' R are equal there: one R, one factor per query column.
+        # dV's reference R (as the fused pass: per key row on masked tiles, one for the unit's interior tiles)
         if const_expr(mask):
-            self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)
+            for rh in cutlass.range_constexpr(2):
+                r_new = quad_max_i32(mxr[rh]) - Int32(127)
+                if r_new > run[2 + rh]:
+                    f = pow2i(run[2 + rh] - r_new)
+                    for i in cutlass.range_constexpr(cute.size(acc_dV)):
+                        if (i // 2) % 2 == rh:
+                            acc_dV[i] = acc_dV[i] * f
+                    run[2 + rh] = r_new
+            self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, run[2], run[3], False)
         else:
             mxe = Int32(0)
             for cg in cutlass.range_constexpr(8):
@@ -1105,15 +1148,25 @@ class AttnBwdSm90:
                     acc_dV[i] = acc_dV[i] * f
                 run[2] = r_new
                 run[3] = r_new
-            for cg in cutlass.range_constexpr(8):
-                ed = self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5))
-                for cp in cutlass.range_constexpr(2):
-                    pf = pow2i(Int32(8 - 127) + Int32(f32_bits(ed[cp])) - run[2])
-                    for rh in cutlass.range_constexpr(2):
-                        i = cp + 2 * rh + 4 * cg
-                        acc_S[i] = acc_S[i] * pf
-        self.convert_p(acc_S, tdVrP)
+            r_int = run[2]
+            self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, r_int, r_int, True)
         self.gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, st], False)
+        warpgroup.wait_group(1)  # dPᵀ done; dV runs on
+        for cg in cutlass.range_constexpr(8):
+            c = tScS[4 * cg][1]
+            if const_expr(cg == 0):
+                dl = pre_dl  # bwd_rw_early
+            else:
+                dl = self.load2(sRow, rbase + row_word(c, 1))
+            for cp in cutlass.range_constexpr(2):
+                for rh in cutlass.range_constexpr(2):
+                    i = cp + 2 * rh + 4 * cg
+                    ds = acc_S[i] * (acc_dP[i] * vf[rh] - dl[cp])  # bwd_dof_fold: ds·2^−edo
+                    # a masked pair's dPᵀ may be another document's (even NaN): zero it again, not by P = 0
+                    if const_expr(mask):
+                        if (mbits & Uint32(1 << i)) != Uint32(0):
+                            ds = Float32(0.0)
+                    acc_dP[i] = ds
         # dK: y = dS·2^eq per (key, query tile) group, codes E4M3(y·2^−E), E = running max exponent
         mx = cute.make_rmem_tensor((2,), Float32)
         for rh in cutlass.range_constexpr(2):
@@ -1165,8 +1218,8 @@ class AttnBwdSm90:
             dst2 = cute.make_tensor(sdQ.iterator + cute.assume(r * DQ_LD + tdQcdQ[2 * j][1], divby=2),
                                     cute.make_layout(2))
             v2 = cute.make_rmem_tensor(2, Float32)
-            v2[0] = acc_dQ[2 * j] * f
-            v2[1] = acc_dQ[2 * j + 1] * f
+            v2[0] = acc_dQ[2 * j]  # bwd_dq_scale_late: the runtime scales dq_accum once
+            v2[1] = acc_dQ[2 * j + 1]
             cute.autovec_copy(v2, dst2)
         cute.arch.fence_view_async_shared()  # generic-proxy stores → bulk copy (async proxy) reads
         # hand the tile to the writer warp (no wait: the consumers go on to the next tile)
@@ -1271,6 +1324,34 @@ class AttnBwdSm90:
                     a0, a1, a2, a3 = p_pack(kb, q, rh)
                     rP[4 * kb + 2 * q + rh] = pack_e4m3x4(acc_S[a0], acc_S[a1], acc_S[a2], acc_S[a3])
 
+    @cute.jit
+    def convert_p_scaled(self, acc_S: cute.Tensor, tOrP: cute.Tensor, sRow: cute.Tensor, rbase: Int32,
+                         tScS: cute.Tensor, r0: Int32, r1: Int32, interior: cutlass.Constexpr[bool]):
+        """bwd_sdp_split: convert_p of P·2^(8 + edo − R_r), acc_S left unscaled (dS needs P); the
+        columns' dO codes (edo + 127) are read where they are used (registers are what the split is short of); r0 / r1
+        the key rows' references (equal on interior tiles, whose factors the compiler then shares between the rows).
+        Interior tiles: R is the max of every column's edo, so the factor's biased exponent 8 + 127 + edo − R
+        is at most 135 and only the flush at 0 needs a clamp (pow2i's value, one compare fewer); on masked
+        tiles another document's column may exceed its row's R (its P is 0: the factor stays finite, clamped as pow2i)."""
+        rP = cute.recast_tensor(tOrP, Uint32)
+        rr = (r0, r1)
+        for kb in cutlass.range_constexpr(self.tile_m // 32):
+            for q in cutlass.range_constexpr(2):
+                cg = 4 * kb + 2 * q
+                ed = (self.load2(sRow, rbase + row_word(tScS[4 * cg][1], 5)),
+                      self.load2(sRow, rbase + row_word(tScS[4 * cg + 4][1], 5)))
+                for rh in cutlass.range_constexpr(2):
+                    a = p_pack(kb, q, rh)
+                    # a = (cg, rh, cp 0), (cg, rh, cp 1), (cg + 1, rh, cp 0), (cg + 1, rh, cp 1)
+                    if const_expr(interior):
+                        v = [acc_S[a[j]] * bits_f32(Uint32(cutlass.max(
+                            Int32(8) + Int32(f32_bits(ed[j // 2][j % 2])) - rr[rh], Int32(0))) << Uint32(23))
+                            for j in range(4)]
+                    else:
+                        v = [acc_S[a[j]] * pow2i(Int32(8 - 127) + Int32(f32_bits(ed[j // 2][j % 2]))
+                                                 - rr[rh]) for j in range(4)]
+                    rP[4 * kb + 2 * q + rh] = pack_e4m3x4(v[0], v[1], v[2], v[3])
+
 
 def make_kernel():
     return AttnBwdSm90(PARAMS)
@@ -1307,5 +1388,6 @@ def compile_args():
     dk = make_fake_compact_tensor(BFloat16, (t, hkv, 128), stride_order=row_major3, assumed_align=16)
     dv = make_fake_compact_tensor(BFloat16, (t, hkv, 128), stride_order=row_major3, assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = (*inputs, lse, delta, cu, row_doc, work, unit_ctr, Float32(1.0), dq_accum, dk, dv, stream)
+    dq_out = make_fake_compact_tensor(BFloat16, (t, hq, 128), stride_order=row_major3, assumed_align=16)
+    args = (*inputs, lse, delta, cu, row_doc, work, unit_ctr, Float32(1.0), dq_accum, dk, dv, dq_out, stream)
     return make_kernel(), args

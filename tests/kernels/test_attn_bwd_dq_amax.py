@@ -241,11 +241,16 @@ def test_bwd_experiments_variants_names_and_support():
     # D = 64 deterministic ones, none of them at D = 128 here — and nosplit undoes the default on bf16's 4 (round 43: the
     # 2 non-deterministic, round 44: the 2 deterministic); since round 42 split and splitsl on fp8_token's 2
     # non-deterministic tiles (those with bwd_rw_early): 2 each of split and splitsl (fp8_token), 4 nosplit; the
-    # forty-fourth session's splitint on bf16's 4 split tiles and fp8_token's 2, splitslint on fp8_token's 2; the
-    # call's own dQ conversion: dqc and dqcsl on the 4 non-deterministic of those, splitslc and splitslintc on
-    # fp8_token's 2
-    assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4 + 8
-                                             + 2 + 2 + 4 + 6 + 2 + 4 + 4 + 2 + 2)
+    # forty-fourth session's splitint on bf16's 4 split tiles and fp8_token's 2; the call's own dQ conversion: dqc and
+    # dqcsl on the 4 non-deterministic of those. Round 45 made split + dqsl + the conversion fp8_token's 2
+    # non-deterministic tiles' default: no split, splitsl (none of bf16's at D = 128), splitslint, splitslc,
+    # splitslintc; dqsl, dqc, dqcsl leave those 2 (dqsl on 6, dqc and dqcsl on bf16's 2); nosplitslc and splitnosl
+    # undo it there (2 each)
+    split_family = ("split", "splitsl", "dqsl", "splitint", "nosplit", "dqc", "dqcsl", "nosplitslc", "splitnosl")
+    assert {t: sum(1 for x, _ in tagged if x == t) for t in split_family} == dict(
+        split=0, splitsl=0, dqsl=6, splitint=6, nosplit=4, dqc=2, dqcsl=2, nosplitslc=2, splitnosl=2)
+    assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4
+                                             + 6 + 6 + 4 + 2 + 2 + 2 + 2)
     assert not {t for t, _ in tagged} & {"dqfirst", "dqfsl", "splitdqf"}
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
@@ -277,22 +282,21 @@ def test_bwd_experiments_variants_names_and_support():
             src = _render_fp8_dq(v, bwd_dq_bf16=True)
             assert v.route == "fp8_token" and ('"bwd_no_kt": True' in src) is (tag == "nokt")
             assert bool(dict(v.params).get("deterministic")) is (tag == "nokt")
-        elif tag in ("split", "splitsl"):  # tests/kernels/test_attn_bwd_sdp_split.py
+        elif tag in ("dqc", "dqcsl"):  # tests/kernels/test_attn_bwd_dq_convert.py
             p = rendered_params(render_variant(v))
-            assert p.get("bwd_sdp_split") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "splitsl")
-            # fp8_token's D = 128 tiles with bwd_rw_early (bwd_dq_first is their default); bf16's have the split
-            assert v.route == "fp8_token" and p.get("bwd_rw_early") is True
-        elif tag in ("dqc", "dqcsl", "splitslc", "splitslintc"):  # tests/kernels/test_attn_bwd_dq_convert.py
+            assert p.get("bwd_dq_convert") is True and (p.get("bwd_dq_scale_late") is True) is (tag == "dqcsl")
+            assert "deterministic" not in dict(v.params) and v.route == "bf16"
+        elif tag in ("nosplitslc", "splitnosl"):  # round 45's fp8_token default undone (test_attn_bwd_sdp_split.py)
             p = rendered_params(render_variant(v))
-            assert p.get("bwd_dq_convert") is True and (p.get("bwd_dq_scale_late") is True) is (tag != "dqc")
-            assert (p.get("bwd_sdp_split_interior") is True) is (tag == "splitslintc")
-            assert "deterministic" not in dict(v.params) and (v.route == "fp8_token" or tag in ("dqc", "dqcsl"))
-        elif tag in ("splitint", "splitslint"):  # tests/kernels/test_attn_bwd_sdp_split.py
+            assert v.route == "fp8_token" and p.get("bwd_rw_early") is True and "deterministic" not in dict(v.params)
+            assert (p.get("bwd_sdp_split") is True) is (tag == "splitnosl")
+            assert "bwd_dq_scale_late" not in p and "bwd_dq_convert" not in p
+        elif tag == "splitint":  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
             assert p.get("bwd_sdp_split") is True and p.get("bwd_sdp_split_interior") is True
-            assert (p.get("bwd_dq_scale_late") is True) is (tag == "splitslint")
+            # fp8_token's with its default late scale and conversion (round 45)
+            assert (p.get("bwd_dq_scale_late") is True) is (p.get("bwd_dq_convert") is True) is (v.route == "fp8_token")
             assert v.route == "bf16" or p.get("bwd_rw_early") is True
-            assert v.route == "fp8_token" or tag == "splitint"
         elif tag == "nosplit":  # rounds 43–44's bf16 default undone: the fused pass, dK issued before dQ
             p = rendered_params(render_variant(v))
             assert v.route == "bf16"
@@ -330,6 +334,7 @@ def test_bwd_experiments_variants_names_and_support():
             p = rendered_params(render_variant(v))
             assert p.get("bwd_dq_scale_late") is True
             assert v.route == "bf16" or (v.route == "fp8_token" and p.get("bwd_dof_fold") is True)
+            assert v.route == "bf16" or dict(v.params).get("deterministic")  # fp8_token's other 2 have it (round 45)
         elif tag:
             assert v.route == "fp8_token" and dict(v.params)["bwd_alu_trim"] is (tag != "notrim")
             src = _render_fp8_dq(v)

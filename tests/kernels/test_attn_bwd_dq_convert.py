@@ -1,9 +1,10 @@
-"""The call's own dQ conversion (flag `bwd_dq_convert`; forty-fourth session; experiment, off; templates/sm90/
-attn_bwd.py.j2; docs/perf-notes.md round 44): the backward's jit function launches a second, vectorised kernel after the
-backward that writes BF16 dQ from dq_accum — with the row factor `bwd_dq_scale_late` leaves out — and the runtime
-returns that tensor instead of converting with torch.
+"""The call's own dQ conversion (flag `bwd_dq_convert`; forty-fourth session; with bwd_sdp_split and bwd_dq_scale_late
+the default of fp8_token's D = 128 non-deterministic tile since round 45; templates/sm90/attn_bwd.py.j2;
+docs/perf-notes.md rounds 44–45): the backward's jit function launches a second, vectorised kernel after the backward
+that writes BF16 dQ from dq_accum — with the row factor `bwd_dq_scale_late` leaves out — and the runtime returns that
+tensor instead of converting with torch.
 
-CPU: no default render has it; the flag adds the `dq` out argument right after dv (ARGS, the jit signature and the fake
+CPU: exactly those two default renders have it; the flag adds the `dq` out argument right after dv (ARGS, the jit signature and the fake
 compile arguments agree), the conversion reads dO's scale code on the FP8 dqsl tiles (masked to its byte) and
 multiplies with mul.rn; refused on the tiles whose call is not plain (deterministic, tensor-scaled dS, diagonal and
 exact routes, NVFP4 Q·K, the tile copy). run_attn_bwd hands the kernel a `dq` (NaN-poisoned on request) and returns it.
@@ -39,18 +40,24 @@ BF16 = _plain("bf16")
 LATE = dict(bwd_dq_convert=True, bwd_dq_scale_late=True)
 
 
-def test_no_default_render_has_it():
+def test_default_only_on_fp8_tokens_d128_tile():
+    on = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
+          and not dict(v.params).get("deterministic")]
+    assert len(on) == 2 and FP8T in on
     for v in BWD:
         src = render_variant(v)
-        assert "bwd_dq_convert" not in src and "def dq_convert" not in src, v.name
-        assert "dq" not in {a["name"] for a in rendered_literal(src, "ARGS")}, v.name
+        has = "dq" in {a["name"] for a in rendered_literal(src, "ARGS")}
+        assert has is ("def dq_convert" in src) is (rendered_params(src).get("bwd_dq_convert") is True) is (v in on), \
+            v.name
+        if v in on:  # with the late scale: the conversion applies the row factor from dO's scale code
+            assert rendered_params(src)["bwd_dq_scale_late"] is True and "mdOs" in method_source(src, "dq_convert")
 
 
 @pytest.mark.parametrize("v", [FP8T, BF16, _plain("fp8_token", False), _plain("bf16", True, 64)],
                          ids=lambda v: v.name)
 @pytest.mark.parametrize("late", [False, True])
 def test_the_dq_argument_and_the_conversion(v, late):
-    src = render_with_flags(v, bwd_dq_convert=True, **({"bwd_dq_scale_late": True} if late else {}))
+    src = render_with_flags(v, bwd_dq_convert=True, bwd_dq_scale_late=late)
     assert rendered_params(src)["bwd_dq_convert"] is True
     names = [a["name"] for a in rendered_literal(src, "ARGS")]
     assert names[names.index("dv") + 1] == "dq"
@@ -115,8 +122,10 @@ def test_run_attn_bwd_returns_the_calls_dq(poison):
     assert bool((dq == 0.5).all())
     if poison:  # (without it the storage is uninitialised: nothing to assert)
         assert bool(seen["dq_before"].isnan().all())
-    # without the flag the runtime converts the accumulator itself
-    args0, params0 = bs.generated(bs.FP8_BWD)
+    # without the flag the runtime converts the accumulator itself (with the late row factor: the tile's default)
+    src0 = render_with_flags(FP8T, bwd_dq_convert=False)
+    args0, params0 = rendered_literal(src0, "ARGS"), rendered_literal(src0, "PARAMS")
+    assert params0["bwd_dq_scale_late"] is True
     fn0, seen0 = bs.recorder(args0)
     dq0, _, _, acc0 = run_attn_bwd(fn0, args0, **x, params=params0)
     assert "dq" not in seen0 and torch.equal(dq0, dq_from_accum(acc0, params0, 1.0 / 128 ** 0.5, x["do_scale"]))

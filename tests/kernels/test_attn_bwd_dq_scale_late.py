@@ -1,11 +1,13 @@
-"""dQ's softmax scale left to the dQ conversion (flag `bwd_dq_scale_late`, experiment, off; templates/sm90/attn_bwd.py.j2;
+"""dQ's softmax scale left to the dQ conversion (flag `bwd_dq_scale_late`; templates/sm90/attn_bwd.py.j2;
 docs/kernels/attn_bwd.md "SASS of FA4's sm90 backward against ours"): the bf16 route's dQ partial is reduce-added
 without its multiply by the softmax scale (FA4's tile does the same and scales in its post-processing), and
 `runtime.attn_bwd.dq_from_accum` multiplies once while it converts dq_accum to BF16. Since the forty-first session
 also the per-token dQ-on-BF16 tiles with dO's factor folded (`bwd_dof_fold`: fp8_token, fp8_token_bf16qk), whose
 row factor softmax_scale·2^edo is the same for every key tile: the conversion builds it from dO's scale codes.
+Since round 45 the default of fp8_token's D = 128 non-deterministic tile, with bwd_sdp_split and bwd_dq_convert (the
+call's own conversion launch applies the factor); off elsewhere.
 
-CPU: off in every default render; on, the tiles' dQ partial loses exactly its multiply (every dQ store path:
+CPU: on in exactly those two default renders; on, the tiles' dQ partial loses exactly its multiply (every dQ store path:
 the writer warp's staging stores and the direct reduce-adds) and the params say so, so the runtime scales; refused on
 the other FP8 tiles (their row factor changes with the key tile's dS scale group). The conversion: one fp32
 multiply, one rounding to BF16, in natural order for a chunk-swizzled accumulator; the FP8 row factor has the
@@ -34,9 +36,18 @@ DOF = [v for v in BWD if v.route in ("fp8_token", "fp8_token_bf16qk")]  # the bw
 SCALED = ("acc_dQ[2 * j] * f", "acc_dQ[2 * j + 1] * f")
 
 
-def test_off_by_default_everywhere():
+# fp8_token's D = 128 non-deterministic tiles, causal or not: the late scale with the split and the call's conversion
+FP8T = [v for v in BWD if v.route == "fp8_token" and v.param("head_dim") == 128
+        and not dict(v.params).get("deterministic")]
+
+
+def test_on_by_default_only_on_fp8_tokens_d128_tile():
+    assert len(FP8T) == 2
     for v in BWD:
-        assert "bwd_dq_scale_late" not in rendered_params(render_variant(v)), v.name
+        p = rendered_params(render_variant(v))
+        assert (p.get("bwd_dq_scale_late") is True) is (v in FP8T), v.name
+        if v in FP8T:
+            assert p["bwd_sdp_split"] is True and p["bwd_dq_convert"] is True
 
 
 @pytest.mark.parametrize("v", BF16 + DOF, ids=lambda v: v.name)
@@ -122,7 +133,9 @@ def test_ab_tag_builds_on_the_bf16_and_dof_fold_tiles_only():
     bwd, _ = base_variants(routes=("fp8_token", "bf16", "fp8_pv", "mxfp8"), head_dim=128)
     got = [v for t, v in experiment_variants(("dqsl",), base_variants=bwd, experiments=EXPERIMENTS) if t == "dqsl"]
     assert got and {v.route for v in got} == {"bf16", "fp8_token"}
-    assert len(got) == sum(1 for v in bwd if v.route in ("bf16", "fp8_token"))
+    # every bf16 and fp8_token tile but fp8_token's two that have it by default (round 45)
+    assert len(got) == sum(1 for v in bwd if v.route in ("bf16", "fp8_token")) - 2
+    assert not {v.name for v in got} & {v.name + "_xdqsl" for v in FP8T}
     assert all(dict(v.params).get("bwd_dq_scale_late") is True for v in got)
 
 

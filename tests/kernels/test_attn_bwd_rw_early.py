@@ -39,10 +39,15 @@ def test_renders_on_the_per_token_tiles(v):
     compile(src, v.name, "exec")
     assert rendered_params(src)["bwd_rw_early"] is True
     tile = one_tile(src)
-    dp, pre, wait = tile.index("self.gemm(tiled_mma_sdp, acc_dP"), tile.index("pre_lse2 = "), \
-        tile.index("        warpgroup.wait_group(0)\n")
+    # the first wait after the issue: both (the fused pass) or Sᵀ's alone (the split, fp8_token's D = 128 default
+    # since round 45)
+    dp, pre = tile.index("self.gemm(tiled_mma_sdp, acc_dP"), tile.index("pre_lse2 = ")
+    wait = tile.index("        warpgroup.wait_group(", dp)
     assert dp < pre < wait  # the loads while Sᵀ and dPᵀ run
-    assert "lse2, dl, qx = pre_lse2, pre_dl, pre_qx" in tile
+    # the fused pass takes the three at once; the split takes LSE and the Q factor for P, D for dS after the dPᵀ wait
+    split = rendered_params(src).get("bwd_sdp_split") is True
+    assert ("lse2, qx = pre_lse2, pre_qx" in tile and "dl = pre_dl" in tile) if split else \
+        "lse2, dl, qx = pre_lse2, pre_dl, pre_qx" in tile
     assert tile.count("qx = self.load2(sRow, rbase + row_word(c, 2))") == 1  # the other groups still load their own
 
 

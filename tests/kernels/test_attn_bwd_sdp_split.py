@@ -1,9 +1,11 @@
 """The Sᵀ wait split from the dPᵀ wait (flag `bwd_sdp_split`; bf16 tile since the forty-first session, fp8_token's
 D = 128 tile since the forty-second; with bwd_dq_first the default of the bf16 route's D = 128 non-deterministic tile
-since round 43 and of its D = 128 deterministic and D = 64 non-deterministic tiles since round 44, off elsewhere;
-templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–44): P and dV's issue while dPᵀ runs, dS while dV runs.
+since round 43 and of its D = 128 deterministic and D = 64 non-deterministic tiles since round 44; with
+bwd_dq_scale_late and bwd_dq_convert the default of fp8_token's D = 128 non-deterministic tile since round 45; off
+elsewhere; templates/sm90/attn_bwd.py.j2; docs/perf-notes.md rounds 41–45): P and dV's issue while dPᵀ runs, dS while
+dV runs.
 
-CPU: on in exactly those bf16 default renders (with bwd_dq_first); on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
+CPU: on in exactly those default renders (bf16's with bwd_dq_first); on, one_tile waits for Sᵀ alone (wait_group(1)), computes P, issues dV, waits for
 dPᵀ with dV in flight (wait_group(1)) and only then reads dPᵀ for dS; the P pass records the masked pairs and the dS
 pass zeroes them from that record (a masked pair's dPᵀ may be NaN: P = 0 times it is not 0); on fp8_token's tile acc_S
 keeps P unscaled and dV's operand takes its factor in the conversion. Refused on the other FP8 tiles and without
@@ -43,7 +45,7 @@ def test_default_on_the_bf16_tiles_but_the_d64_deterministic_ones():
     assert len([v for v in BF16 if v not in DEFAULT_ON]) == 2  # D = 64 deterministic, causal or not: fused
     for v in BWD:
         p = rendered_params(render_variant(v))
-        assert (p.get("bwd_sdp_split") is True) is (v in DEFAULT_ON), v.name
+        assert (p.get("bwd_sdp_split") is True) is (v in DEFAULT_ON or v in FP8T), v.name
         if v in DEFAULT_ON:  # the default is the timed `splitdqf` copy: both flags, byte for byte
             assert p.get("bwd_dq_first") is True
             assert render_variant(v) == render_with_flags(v, bwd_sdp_split=True, bwd_dq_first=True)
@@ -51,6 +53,29 @@ def test_default_on_the_bf16_tiles_but_the_d64_deterministic_ones():
             off = one_tile(render_with_flags(v, bwd_sdp_split=False, bwd_dq_first=False))
             assert "mbits" not in off and off.index("self.gemm(tiled_mma_dkv, acc_dK,") < off.index(
                 "self.gemm(tiled_mma_dq, acc_dQ,")
+
+
+def test_default_on_fp8_tokens_d128_tile_with_the_late_scale_and_the_calls_conversion():
+    """Round 45 (H100, two runs: causal 0.93–0.96×, non-causal 0.97–1.00× the fused tile): fp8_token's D = 128
+    non-deterministic tiles are the timed `splitslc` copies byte for byte; `nosplitslc` renders the fused tile with the
+    factor in the tile and no conversion launch, as before round 45."""
+    assert len(FP8T) == 2 and {bool(v.param("causal")) for v in FP8T} == {True, False}
+    for v in FP8T:
+        src = render_variant(v)
+        p = rendered_params(src)
+        assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True and p["bwd_dq_convert"] is True
+        assert src == render_with_flags(v, bwd_sdp_split=True, bwd_dq_scale_late=True, bwd_dq_convert=True)
+        off = render_with_flags(v, bwd_sdp_split=False, bwd_dq_scale_late=False, bwd_dq_convert=False)
+        q = rendered_params(off)
+        assert not any(k in q for k in ("bwd_sdp_split", "bwd_dq_scale_late", "bwd_dq_convert"))
+        assert "mbits" not in one_tile(off) and '"name": "dq"' not in off
+        # split off alone: the late scale and the conversion go with it (they are the split's defaults, not its own)
+        assert render_with_flags(v, bwd_sdp_split=False) == off
+    # every other FP8 backward keeps the fused pass, its dQ factor in the tile and the runtime's conversion
+    for v in BWD:
+        if v.route != "bf16" and v not in FP8T:
+            p = rendered_params(render_variant(v))
+            assert not any(k in p for k in ("bwd_sdp_split", "bwd_dq_scale_late", "bwd_dq_convert")), v.name
 
 
 @pytest.mark.parametrize("v", BF16 + FP8T, ids=lambda v: v.name)
@@ -136,10 +161,10 @@ def test_ab_tags():
         assert len(off) == (0 if hd == 128 else 2)
         assert sorted(v.name for t, v in got if v.route == "bf16") == sorted(
             v.name + "_x" + t for v in off for t in ("split", "splitdqf"))
-        # fp8_token's tile (D = 128, bwd_rw_early) takes split only: it has bwd_dq_first already
+        # fp8_token's tile (D = 128, bwd_rw_early) has the split by default since round 45: neither copy
         fp8 = [v for v in bwd if v.name in {x.name for x in FP8T}]
         assert len(fp8) == (2 if hd == 128 else 0)
-        assert sorted(v.name for t, v in got if v.route == "fp8_token") == sorted(v.name + "_xsplit" for v in fp8)
+        assert not [v for t, v in got if v.route == "fp8_token"]
         for t, v in got:
             p = rendered_params(render_variant(v))
             assert p["bwd_sdp_split"] is True
@@ -151,10 +176,17 @@ def test_ab_tags():
             p = rendered_params(render_variant(v))
             assert "bwd_sdp_split" not in p and "bwd_dq_first" not in p
         sl = [v for t, v in experiment_variants(("splitsl",), base_variants=bwd, experiments=EXPERIMENTS) if t]
-        assert len(sl) == len(off) + len(fp8)
+        assert len(sl) == len(off)
         for v in sl:
             p = rendered_params(render_variant(v))
             assert p["bwd_sdp_split"] is True and p["bwd_dq_scale_late"] is True
+        # fp8_token's undo copies: wholly (nosplitslc) and the late scale with the conversion only (splitnosl)
+        fx = dict(bx_tags(("nosplitslc", "splitnosl"), hd=hd))
+        for t, want in (("nosplitslc", set()), ("splitnosl", {"bwd_sdp_split"})):
+            assert sorted(v.name for v in fx[t]) == sorted(v.name + "_x" + t for v in fp8)
+            for v in fx[t]:
+                p = rendered_params(render_variant(v))
+                assert {k for k in ("bwd_sdp_split", "bwd_dq_scale_late", "bwd_dq_convert") if p.get(k)} == want
 
 
 @pytest.mark.parametrize("v", [next(x for x in DEFAULT_ON if x.param("causal") and x.param("head_dim") == 128
@@ -196,15 +228,18 @@ def test_split_interior_needs_the_split():
     v = next(x for x in FP8T if x.param("causal"))
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_sdp_split_interior_needs_bwd_sdp_split"):
         render_with_flags(v, bwd_sdp_split=False, bwd_sdp_split_interior=True)
-    tags = dict(bx_tags(("splitint", "splitslint")))
-    assert len(tags["splitint"]) == 4 and len(tags["splitslint"]) == 2  # bf16's 2 split tiles + fp8_token's 2; fp8's 2
-    assert {v.route for v in tags["splitslint"]} == {"fp8_token"}
+    tags = dict(bx_tags(("splitint",)))
+    assert len(tags["splitint"]) == 4  # bf16's 2 split tiles + fp8_token's 2 (with its default late scale)
+    for v in tags["splitint"]:
+        p = rendered_params(render_variant(v))
+        assert p["bwd_sdp_split_interior"] is True
+        assert (p.get("bwd_dq_convert") is True) is (v.route == "fp8_token")
 
 
-def bx_tags(tags):
+def bx_tags(tags, hd=128):
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
-    bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
+    bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=hd)
     bwd = [v for v in bwd if not dict(v.params).get("deterministic")]
     got = experiment_variants(tags, base_variants=bwd, experiments=EXPERIMENTS)
     return [(t, [v for tt, v in got if tt == t]) for t in tags]

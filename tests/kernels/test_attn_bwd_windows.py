@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flamia_gen.plan import make_plan
-from flamia_gen.render.render import render_variant, render_with_flags
+from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
 from flamia_gen.runtime.attn_bwd import bwd_schedule, dq_tile_offsets, make_work_list, num_work, run_attn_bwd
 from flamia_gen.spec import load_specs
 
@@ -163,8 +163,12 @@ def test_kernel_reads_key_ranges_and_stops_at_padding():
             assert "pow2i(Int32(8 - 127) + Int32(f32_bits(ed[cp])) - run[2 + rh])" in src
             off = render_with_flags(v, bwd_alu_trim=False)
             assert "mxr[rh] = fmax2(mxr[rh], e)" in off and "pow2i(Int32(8) + Int32(ed[cp]) - run[2 + rh])" in off
-            # masked tiles per row; interior tiles (one document, both rows equal) share run[2] = run[3]
-            assert "self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)" in src
+            # masked tiles per row; interior tiles (one document, both rows equal) share run[2] = run[3]; the split
+            # (the D = 128 non-deterministic tile's default since round 45) scales P in dV's operand conversion
+            if rendered_params(src).get("bwd_sdp_split"):
+                assert "self.convert_p_scaled(acc_S, tdVrP, sRow, rbase, tScS, run[2], run[3], False)" in src
+            else:
+                assert "self.dv_scale_rows(acc_S, acc_dV, sRow, rbase, tScS, run, mxr)" in src
             assert "                run[2] = r_new\n                run[3] = r_new\n" in src
 
 
