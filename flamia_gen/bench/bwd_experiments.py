@@ -75,12 +75,9 @@ _ds_stsm_default = lambda p: _dq16_per_token(p) or (  # noqa: E731
 # the template also asks for mask-free interior tiles, which every base variant here has
 _bf16_split_default = lambda p: (p.get("v_fmt") != "e4m3"  # noqa: E731
                                  and (p.get("head_dim") == 128 or not p.get("deterministic")))
-# the tiles bwd_dq_convert builds for (the call has no second pass, no extra inputs): bf16's and fp8_token's with
-# bwd_rw_early, not deterministic
-_plain_bwd = lambda p: not p.get("deterministic") and (  # noqa: E731
-    _bf16_split_default(p) or _fp8_token_d128(p))
-# bf16's of those (fp8_token's has the call's conversion by default since round 45)
-_bf16_plain_bwd = lambda p: _plain_bwd(p) and not _fp8_token_d128(p)  # noqa: E731
+# the bf16 tiles bwd_dq_convert builds for (the call has no second pass, no extra inputs): not deterministic (fp8_token's
+# D = 128 tile, the other it builds for, has it by default since round 45)
+_bf16_plain_bwd = lambda p: not p.get("deterministic") and _bf16_split_default(p)  # noqa: E731
 # the bf16 tiles where the split and FA4's order are experiments still (the D = 64 `_det` copies)
 _bf16_split_off = lambda p: p.get("v_fmt") != "e4m3" and not _bf16_split_default(p)  # noqa: E731
 

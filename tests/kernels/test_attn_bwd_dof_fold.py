@@ -86,8 +86,9 @@ def test_ab_tag():
         assert b["bwd_dof_fold"] is True and "bwd_dof_fold" not in p  # the base has the fold by default, the copy not
         # and only the fold moves (with bwd_rw_early, which loads the folded tile's words: fp8_token's D = 128 default)
         # (and, on that tile since round 45, the split, the late dQ scale and the call's conversion, which need both)
-        rwe = {k: True for k in ("bwd_rw_early", "bwd_sdp_split", "bwd_dq_scale_late", "bwd_dq_convert") if b.get(k)}
-        assert "bwd_rw_early" not in p and {**p, "bwd_dof_fold": True, **rwe, "name": b["name"]} == b
+        needs_fold = {k: True for k in ("bwd_rw_early", "bwd_sdp_split", "bwd_dq_scale_late", "bwd_dq_convert")
+                      if b.get(k)}
+        assert "bwd_rw_early" not in p and {**p, "bwd_dof_fold": True, **needs_fold, "name": b["name"]} == b
 
 
 def _pow2(codes: torch.Tensor) -> torch.Tensor:
