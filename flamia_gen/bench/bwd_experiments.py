@@ -210,6 +210,10 @@ EXPERIMENTS: dict[str, dict] = {
                        note="the fused pass, dQ's row factor in the tile, the runtime's cast (fp8_token's tile before round 45)"),
     "splitnosl": dict(over={"bwd_dq_scale_late": False, "bwd_dq_convert": False}, when=_fp8_token_d128,
                       note="the split with dQ's row factor in the tile and the runtime's cast (round 43's split)"),
+    # the next query tile's Sᵀ issued behind this tile's dK, so it runs under the dQ epilogue (forty-sixth session; the
+    # bf16 tile serialises its wgmmas with it: the template refuses)
+    "sahead": dict(over={"bwd_s_ahead": True}, when=_fp8_token_d128,
+                   note="the next query tile's Sᵀ issued after this tile's dK (under its dQ epilogue)"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),
