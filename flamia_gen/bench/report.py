@@ -204,8 +204,9 @@ class _Footnotes:
         if full not in self.texts:
             self.texts.append(full)
         n = self.texts.index(full) + 1
-        label = status if status != "ok" else ("suspect" if note.startswith("suspect") else "note")
-        color = "red" if label == "suspect" else "yellow"
+        label = status if status != "ok" else ("suspect" if note.startswith("suspect")
+                                               else "untuned" if "untuned (" in note else "note")
+        color = "red" if label in ("suspect", "untuned") else "yellow"
         return f"[{color}]{escape(label)}[/] {escape(f'[{n}]')}"
 
     def lines(self) -> list[str]:

@@ -10,6 +10,7 @@ of memory) stops the run: it becomes a row with a status and a note.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -77,6 +78,18 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+@contextmanager
+def _kernel_substitutions(is_peer: bool):
+    """Our rows: the kernels run in place of the dispatch table's choices (`runtime.attention.substitutions`)."""
+    if is_peer:
+        yield []
+        return
+    from ..runtime.attention import substitutions
+
+    with substitutions() as rec:
+        yield rec
+
+
 def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: str,
               repeats: int, warmup: int, ceilings: dict[str, float] | None = None,
               availability: tuple[bool, str] | None = None) -> BenchRow:
@@ -93,6 +106,7 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
         row.status, row.note = "skipped", reason
         return row
     fn = None
+    subs: list = []
     try:
         baseline = None
         if device.startswith("cuda"):
@@ -100,9 +114,10 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
 
             torch.cuda.synchronize()
             baseline = torch.cuda.memory_allocated()  # before prepare: its buffers count
-        fn = adapter.prepare(workload, inputs, mode)
-        stats = time_fn(fn, device=device, warmup=warmup, repeats=repeats,
-                        memory_baseline_bytes=baseline)
+        with _kernel_substitutions(row.is_peer) as subs:
+            fn = adapter.prepare(workload, inputs, mode)
+            stats = time_fn(fn, device=device, warmup=warmup, repeats=repeats,
+                            memory_baseline_bytes=baseline)
         row.median_ms, row.min_ms = stats.median_ms, stats.min_ms
         row.p20_ms, row.p80_ms = stats.p20_ms, stats.p80_ms
         row.repeats, row.timer = stats.repeats, stats.timer
@@ -116,6 +131,9 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
             row.note = note
         if repeats < MIN_REPEATS_DESIGN:
             row.note = "; ".join(x for x in (row.note, f"only {repeats} repeats") if x)
+        if subs:  # not the tuned kernels: the row must not pass for the table's choice
+            ran = ", ".join(f"{b} for {a}" for a, b in dict.fromkeys(subs))
+            row.note = "; ".join(x for x in (row.note, f"untuned (not in the bundle): ran {ran}") if x)
     except PeerSkip as exc:
         row.status, row.note = "skipped", str(exc)
     except Exception as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -123,6 +124,9 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
                             f"on {ARCH} in bundle {b.root}")
     default = disp.defaults.get(dec.group) if dec else None
     pick = next((v for v in cands if v["name"] == default), None) or sorted(cands, key=lambda v: v["name"])[0]
+    if name:
+        for rec in _RECORDERS:
+            rec.append((name, pick["name"]))
     if name and (name, str(b.root)) not in _WARNED_MISSING:
         _WARNED_MISSING.add((name, str(b.root)))
         import warnings
@@ -136,6 +140,23 @@ def _pick(b: Bundle, kind: str, route: str, d: int, causal, profile, operand=Non
 
 
 _WARNED_MISSING: set = set()  # (variant, bundle root) pairs already warned about: once per process
+_RECORDERS: list[list] = []  # open `substitutions()` blocks
+
+
+@contextmanager
+def substitutions():
+    """Within the block, kernel choices are made afresh (the choice cache and the once-per-process warnings are
+    cleared on entry) and every kernel run in place of the one the dispatch table (or the group's analytic default)
+    chose — a bundle without it — is appended to the yielded list as (chosen, ran). `flamia-gen bench` wraps each row of
+    ours in one, so that a row timed on an untuned kernel says so."""
+    _pick_cached.cache_clear()
+    _WARNED_MISSING.clear()
+    rec: list = []
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.remove(rec)
 
 
 _WORK_CACHE: dict = {}

@@ -190,3 +190,42 @@ def test_bwd_call_gives_the_train_calls_gradients(fakes):
             assert a.abs().sum() > 0 and torch.equal(a, b)
     with pytest.raises(ValueError, match="mode must be one of"):
         ad.prepare(wl, inputs, "inference")
+
+
+def test_our_rows_name_the_untuned_kernels_they_ran(fakes):
+    """A bundle without the dispatch table's choice runs another kernel of the group (the runtime warns once per
+    process); the bench re-chooses per row and writes the substitution into the row's note, so a report cannot pass an
+    untuned kernel off as the table's. Peers are not ours: their rows get no such note."""
+    import warnings
+
+    import flamia_gen.runtime.attention as A
+
+    def substituting(base):
+        class Sub(base):
+            def build(self, workload):
+                f = super().build(workload)
+
+                def g(q, k, v):
+                    for rec in A._RECORDERS:  # what runtime.attention._pick records when it falls back
+                        rec.append(("attn_fwd_tuned", "attn_fwd_other"))
+                    return f(q, k, v)
+                return g
+        return Sub
+
+    ours, peer = substituting(fakes["flamia_cpu"])(), substituting(fakes["cpu_exact"])()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_bench(_wls()[:1], [ours, peer, fakes["flamia_cpu"]()], mode="fwd", repeats=3, warmup=0,
+                        accuracy=False, device="cpu", quiet=True)
+    notes = [r.note for r in res.rows]
+    assert "untuned (not in the bundle): ran attn_fwd_other for attn_fwd_tuned" in notes[0]
+    assert notes[0].count("attn_fwd_other") == 1  # once however many calls ran it
+    assert "untuned" not in notes[1] and "untuned" not in notes[2]
+    assert A._RECORDERS == []
+    from flamia_gen.bench.report import build_table
+
+    _, lines = build_table(res.rows)
+    assert any("untuned (not in the bundle): ran attn_fwd_other for attn_fwd_tuned" in ln for ln in lines)
+    from flamia_gen.bench.report import _Footnotes
+
+    assert "untuned" in _Footnotes().cell("ok", notes[0]) and "untuned" not in _Footnotes().cell("ok", "only 3 repeats")

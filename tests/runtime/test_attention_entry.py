@@ -182,3 +182,19 @@ def test_a_table_choice_missing_from_the_bundle_runs_the_groups_default_and_warn
         assert A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)["name"] == "attn_fwd_a_first"
     with pytest.raises(NoKernelError, match="no attn_fwd kernel for route='fp8_token'"):
         A._pick(b, "attn_fwd", "fp8_token", 128, False, prof)
+    # recorded where asked (the bench's rows): (chosen, ran), the choice cache cleared on entry, nothing outside
+    Disp.decide = lambda self, *a, **k: Decision("attn_fwd_tuned_winner", "exact", group, {})
+    Disp.defaults = {group: "attn_fwd_z_default"}
+    A._pick_cached.cache_clear()
+    monkeypatch.setattr(A, "_bundle", lambda root: b)
+    A._pick_cached(str(b.root), "attn_fwd", "fp8_token", 128, True, prof)
+    assert A._pick_cached.cache_info().currsize == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with A.substitutions() as rec:
+            assert A._pick_cached.cache_info().currsize == 0
+            A._pick_cached(str(b.root), "attn_fwd", "fp8_token", 128, True, prof)
+            A._pick_cached(str(b.root), "attn_fwd", "fp8_token", 128, True, prof)  # cached: recorded once
+        A._pick(b, "attn_fwd", "fp8_token", 128, True, prof)
+    assert rec == [("attn_fwd_tuned_winner", "attn_fwd_z_default")]
+    A._pick_cached.cache_clear()
