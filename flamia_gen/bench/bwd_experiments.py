@@ -214,6 +214,8 @@ EXPERIMENTS: dict[str, dict] = {
     # bf16 tile serialises its wgmmas with it: the template refuses)
     "sahead": dict(over={"bwd_s_ahead": True}, when=_fp8_token_d128,
                    note="the next query tile's Sᵀ issued after this tile's dK (under its dQ epilogue)"),
+    "saheadlate": dict(over={"bwd_s_ahead": True, "bwd_s_ahead_late": True}, when=_fp8_token_d128,
+                       note="the next query tile's Sᵀ issued after this tile's dQ hand-off"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),

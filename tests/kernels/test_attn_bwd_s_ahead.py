@@ -8,6 +8,9 @@ unit's first Sᵀ and peels the unit's last tile into compile-time copies that i
 groups in flight at every tile's entry). Refused where it is not built (bf16: C7512; deterministic, diagonal-copy,
 32×32-block tiles; no bwd_dq_first). `-m compile`: the flagged tile compiles for sm_90a and ptxas keeps every wgmma
 asynchronous (a runtime branch on "last tile" made it serialise them: C7514).
+
+`bwd_s_ahead_late` (with it): the next Sᵀ issued after the tile's dQ hand-off instead of before the dQ epilogue
+(round 46: 1.00–1.01×, i.e. what `sahead` lost was the early wait and issue, not the accumulator held across tiles).
 """
 
 from __future__ import annotations
@@ -101,6 +104,19 @@ def test_mma_issues_the_first_s_and_peels_the_last_tile(v):
     assert "acc_S = cute.make_rmem_tensor(" in mma.split("while unit < num_units:")[0]
 
 
+@pytest.mark.parametrize("v", ON_OK, ids=lambda v: v.name)
+def test_late_issues_the_next_s_after_the_hand_off(v):
+    src = render_with_flags(v, bwd_s_ahead=True, bwd_s_ahead_late=True)
+    assert rendered_params(src)["bwd_s_ahead_late"] is True
+    ahead, last = _branches(_method(src, "one_tile"))
+    # the default's waits around the epilogue, the next Sᵀ after the hand-off to the writer warp, then dK's wait
+    assert re.findall(r"warpgroup\.wait_group\((\d)\)", ahead) == ["1", "1"]
+    assert ahead.index("DQ_FULL_BAR") < ahead.index("pipe_q.consumer_wait(q_next)") < ahead.index(NEXT_S) < ahead.rindex(
+        "warpgroup.wait_group(1)")
+    assert last == _branches(_method(render_with_flags(v, bwd_s_ahead=True), "one_tile"))[1]
+    assert _method(src, "mma") == _method(render_with_flags(v, bwd_s_ahead=True), "mma")
+
+
 def test_refusals():
     def one(route, **kw):
         return next(v for v in BWD if v.route == route and v.param("head_dim") == kw.get("hd", 128)
@@ -114,6 +130,8 @@ def test_refusals():
         render_with_flags(ON_OK[0], bwd_s_ahead=True, bwd_dq_first=False)
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_s_ahead_needs"):
         render_with_flags(ON_OK[0], bwd_s_ahead=True, stages=1)
+    with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_s_ahead_late_needs_bwd_s_ahead"):
+        render_with_flags(ON_OK[0], bwd_s_ahead_late=True)
     mx = [v for v in BWD if v.route == "mxfp8" and not dict(v.params).get("deterministic")]
     with pytest.raises(jinja2.exceptions.UndefinedError, match="bwd_s_ahead"):
         render_with_flags(mx[0], bwd_s_ahead=True)
@@ -123,10 +141,11 @@ def test_ab_tag():
     from flamia_gen.bench.bwd_experiments import EXPERIMENTS, base_variants, experiment_variants
 
     bwd, _ = base_variants(routes=("fp8_token", "bf16"), head_dim=128)
-    tagged = [v for t, v in experiment_variants(("sahead",), base_variants=bwd, experiments=EXPERIMENTS)
-              if t == "sahead"]
-    assert sorted(v.name for v in tagged) == sorted(v.name + "_xsahead" for v in ON_OK)
-    assert all(rendered_params(render_variant(v))["bwd_s_ahead"] is True for v in tagged)
+    for tag in ("sahead", "saheadlate"):
+        tagged = [v for t, v in experiment_variants((tag,), base_variants=bwd, experiments=EXPERIMENTS) if t == tag]
+        assert sorted(v.name for v in tagged) == sorted(f"{v.name}_x{tag}" for v in ON_OK)
+        p = [rendered_params(render_variant(v)) for v in tagged]
+        assert all(x["bwd_s_ahead"] is True and (x.get("bwd_s_ahead_late") is True) is (tag == "saheadlate") for x in p)
 
 
 @pytest.mark.compile
