@@ -179,6 +179,9 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+UNTUNED = "untuned (not in the bundle)"  # a row of ours timed on another kernel than the dispatch table's choice
+
+
 def _status_note(status: str, note: str) -> str:
     """A note's full text: the status first (once), then the reason."""
     if status == "ok":
@@ -205,7 +208,7 @@ class _Footnotes:
             self.texts.append(full)
         n = self.texts.index(full) + 1
         label = status if status != "ok" else ("suspect" if note.startswith("suspect")
-                                               else "untuned" if "untuned (" in note else "note")
+                                               else "untuned" if UNTUNED in note else "note")
         color = "red" if label in ("suspect", "untuned") else "yellow"
         return f"[{color}]{escape(label)}[/] {escape(f'[{n}]')}"
 

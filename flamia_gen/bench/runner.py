@@ -20,7 +20,7 @@ from .adapter import MODES, Adapter, PeerSkip, no_cuda_reason, status_of
 from .flops import tflops as _tflops
 from .flops import workload_flops
 from .peers import resolve_impls
-from .report import (BenchRow, collect_metadata, compute_speedups, render_tables, table_text,
+from .report import (UNTUNED, BenchRow, collect_metadata, compute_speedups, render_tables, table_text,
                      write_chart, write_json)
 from .timing import DEFAULT_REPEATS, DEFAULT_WARMUP, MIN_REPEATS_DESIGN, check_ceiling, host_issue_ms, time_fn
 from .workloads import Workload, get_workload, make_inputs, parse_workloads
@@ -133,7 +133,7 @@ def bench_one(adapter: Adapter, workload: Workload, inputs, mode: str, device: s
             row.note = "; ".join(x for x in (row.note, f"only {repeats} repeats") if x)
         if subs:  # not the tuned kernels: the row must not pass for the table's choice
             ran = ", ".join(f"{b} for {a}" for a, b in dict.fromkeys(subs))
-            row.note = "; ".join(x for x in (row.note, f"untuned (not in the bundle): ran {ran}") if x)
+            row.note = "; ".join(x for x in (row.note, f"{UNTUNED}: ran {ran}") if x)
     except PeerSkip as exc:
         row.status, row.note = "skipped", str(exc)
     except Exception as exc:
