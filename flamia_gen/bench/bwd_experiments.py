@@ -216,6 +216,11 @@ EXPERIMENTS: dict[str, dict] = {
                    note="the next query tile's Sᵀ issued after this tile's dK (under its dQ epilogue)"),
     "saheadlate": dict(over={"bwd_s_ahead": True, "bwd_s_ahead_late": True}, when=_fp8_token_d128,
                        note="the next query tile's Sᵀ issued after this tile's dQ hand-off"),
+    # an ablation (forty-seventh session): no dQ reduce-adds, dQ left zero (its verify fails on purpose): the time
+    # the tile's L2 reduce traffic costs, the bound of a lever that cuts it
+    "nodqred": dict(over={"bwd_ablate_dq_reduce": True},
+                    when=lambda p: _fp8_token_d128(p) or (_bf16_plain_bwd(p) and p.get("head_dim") == 128),
+                    note="ABLATION: the dQ writers issue no reduce-adds (dQ wrong on purpose; timing only)"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),
