@@ -221,6 +221,10 @@ EXPERIMENTS: dict[str, dict] = {
     "nodqred": dict(over={"bwd_ablate_dq_reduce": True},
                     when=lambda p: _fp8_token_d128(p) or (_bf16_plain_bwd(p) and p.get("head_dim") == 128),
                     note="ABLATION: the dQ writers issue no reduce-adds (dQ wrong on purpose; timing only)"),
+    # an ablation (forty-seventh session): dK's codes cut from dS' with no per-pair quantization (dK wrong on purpose):
+    # what the dK scale chain costs, the bound of dK on BF16 dS with the factors on the Q operand
+    "nodkq": dict(over={"bwd_ablate_dk_quant": True}, when=_fp8_token_d128,
+                  note="ABLATION: dK's codes from dS' without y, amax, rescale (dK wrong on purpose; timing only)"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
     "nosplit": dict(over={"bwd_sdp_split": False, "bwd_dq_first": False}, when=_bf16_split_default,
                     note="Sᵀ and dPᵀ waited together, dK issued before dQ (the bf16 tiles before rounds 43–44)"),
