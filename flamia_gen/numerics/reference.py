@@ -76,7 +76,8 @@ def attention(q, k, v, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_
 
 
 def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None, *, tile_m=128, tile_n=128,
-                       scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False):
+                       scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False,
+                       dk_bf16=False):
     """(dQ, dK, dV) fp32 of `attention` for output gradient `do`.
 
     route=None: gradients of the exact fp32 attention (autograd of the exact forward; `o`, `lse`
@@ -92,7 +93,7 @@ def attention_backward(q, k, v, o, lse, do, cu_seqlens, causal=True, route=None,
     if r is not None:
         return route_backward(r, q, k, v, o, lse, do, cu_seqlens, causal, tile_m=tile_m, tile_n=tile_n,
                               scale=scale, mma=mma, key_align=key_align, fwd_tile_m=fwd_tile_m,
-                              fwd_tile_n=fwd_tile_n, dq_bf16=dq_bf16)
+                              fwd_tile_n=fwd_tile_n, dq_bf16=dq_bf16, dk_bf16=dk_bf16)
     with torch.enable_grad():
         leaves = [t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v)]
         out = exact_attention(*leaves, cu_seqlens, causal, scale=scale)

@@ -209,6 +209,7 @@ class Plan:
     fwd_tile_n: int = 0  # (0: tile_m / tile_n; they differ when tile_m, tile_n are a backward kernel's)
     q_align_end: bool = False  # causal forward: query tiles end at the document's end (the partial tile first)
     dq_bf16: bool = False  # backward dQ = dS·K̂ on the unquantized dS (the kernel's bwd_dq_bf16: BF16 wgmma)
+    dk_bf16: bool = False  # backward dK = dSᵀ·Q̂ on the unquantized dS, Q̂ = Q codes·2^eq (no dK scale group)
 
     @property
     def fwd_tiles(self) -> tuple[int, int]:
@@ -232,7 +233,8 @@ def _fp8_format(spec: OperandQuant) -> bool:
 
 def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float, chunk: int = 1024,
               key_align: int = 1, mma: str = "exact", *, fwd_tile_m: int | None = None,
-              fwd_tile_n: int | None = None, q_align_end: bool = False, dq_bf16: bool = False) -> Plan:
+              fwd_tile_n: int | None = None, q_align_end: bool = False, dq_bf16: bool = False,
+              dk_bf16: bool = False) -> Plan:
     for name, tm, tn in (("tile", tile_m, tile_n),
                          ("fwd_tile", tile_m if fwd_tile_m is None else fwd_tile_m,
                           tile_n if fwd_tile_n is None else fwd_tile_n)):
@@ -252,6 +254,11 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
     if dq_bf16 and _product_spec(ops.k) != ops.k:
         raise ValueError(f"dq_bf16: route {route.name!r} keeps K in a format of its own ({ops.k.format.value}) with "
                          "an E4M3 copy for dQ; no BF16 K is defined for its dQ")
+    if dk_bf16 and not (_fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q))):
+        raise ValueError(f"dk_bf16: route {route.name!r} has no FP8 dSᵀ·Q product to take in BF16")
+    if dk_bf16 and (_product_spec(ops.q) != ops.q or sg.rows_q):
+        raise ValueError(f"dk_bf16: route {route.name!r} takes dK's Q in a copy of its own (a token-block or per-row "
+                         "Q); no BF16 Q̂ is defined for its dK")
     if q_align_end and causal and (sg.per_key_k or per_key_v):
         raise ValueError(f"q_align_end: route {route.name!r} takes per-key operands on diagonal tiles, which the "
                          "backward repeats on query tiles from the document start; not with end-aligned tiles")
@@ -267,12 +274,12 @@ def make_plan(route: Route, causal: bool, tile_m: int, tile_n: int, scale: float
         mma_pv=fp8_mma and _fp8_codes(ops.v) and ops.p.quantized,
         mma_dp=fp8_mma and _fp8_codes(ops.do) and _fp8_codes(ops.v),
         mma_dv=fp8_mma and _fp8_format(ops.p) and _fp8_codes(ops.do),
-        mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)),
+        mma_dk=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.q)) and not dk_bf16,
         mma_dq=fp8_mma and _fp8_format(ops.ds) and _fp8_codes(_product_spec(ops.k)) and not dq_bf16,
         exp_poly_quarters=poly_quarters(route.exp_approx.value),
         scores_bf16=route.scores_bf16, p_exact=route.p_reference is PReference.exact,
         fwd_tile_m=fwd_tile_m or 0, fwd_tile_n=fwd_tile_n or 0, q_align_end=bool(q_align_end and causal),
-        dq_bf16=bool(dq_bf16))
+        dq_bf16=bool(dq_bf16), dk_bf16=bool(dk_bf16))
 
 
 def q_shift(plan: Plan, length: int) -> int:
@@ -687,11 +694,14 @@ def _folds(plan: Plan, cg: _ChunkGrad, kq: Rep, kqt: Rep | None, qk_exp, g: Geom
 
 
 def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *, tile_m=128, tile_n=128,
-                   scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False):
+                   scale=None, mma="exact", key_align=1, fwd_tile_m=None, fwd_tile_n=None, dq_bf16=False,
+                   dk_bf16=False):
     """Emulated backward → (dQ, dK, dV) fp32, shapes of q, k, v. `dq_bf16` (the sm90 backward kernel's flag
     `bwd_dq_bf16`, on for fp8_token and fp8_token_bf16qk since 2026-12-04; off here by default, the route spec's E4M3
     dS): dQ = dS·K̂ takes dS unquantized (fp32 here; the kernel's BF16 wgmma rounds it to BF16) with K̂ = K codes·2^ek
-    (on a BF16-score route the BF16 k of QKᵀ itself), so no dQ scale group exists; dK, dV unchanged. `tile_m`,
+    (on a BF16-score route the BF16 k of QKᵀ itself), so no dQ scale group exists; dK, dV unchanged. `dk_bf16` (the
+    same for dK, 2026-12-07, for a kernel not built yet: docs/kernels/attn_bwd.md "Ablations"): dK = dSᵀ·Q̂ on the
+    unquantized dS with Q̂ = Q codes·2^eq, no dK scale group or running exponent; dQ, dV unchanged. `tile_m`,
     `tile_n`, `key_align`: the backward's tiling (chunks, per-tile dS groups); `fwd_tile_m`, `fwd_tile_n` (default `tile_m`,
     `tile_n`): the *forward's* tiles, whose diagonal decisions the backward repeats (its key tiles
     start at doc_start − δ as well, δ = doc_start mod key_align). `mma="sm90_fp8"`: every product
@@ -700,7 +710,7 @@ def route_backward(route: Route, q, k, v, o, lse, do, cu_seqlens, causal=True, *
     `key_align` (sm90 FP8: 64, 128, 16). Routes without FP8 products (bf16) give the exact result."""
     T, Hq, D, group = check_inputs(q, k, v, cu_seqlens)
     plan = make_plan(route, causal, tile_m, tile_n, softmax_scale(D, scale), mma=mma, key_align=key_align,
-                     fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n, dq_bf16=dq_bf16)
+                     fwd_tile_m=fwd_tile_m, fwd_tile_n=fwd_tile_n, dq_bf16=dq_bf16, dk_bf16=dk_bf16)
     model = plan.mma_dv or plan.mma_dk or plan.mma_dq
     if model and plan.per_key_k and plan.fwd_tiles[1] != tile_n:
         # the model takes the K copy of dS·K per (row, key tile): one choice per tile only when the tiles agree
@@ -752,7 +762,8 @@ def _backward_pass(plan, bo: BackwardOps, o32, lse2, cu, group, tensor_amax, ama
                 amax = torch.maximum(amax, torch.stack([ds_q.abs().amax(), ds_k.abs().amax()]))
                 continue
             dsq_hat = ds_q if plan.dq_bf16 else quant_ds(plan, ds_q, True, None if tensor_amax is None else tensor_amax[0])
-            dsk_hat = quant_ds(plan, ds_k, False, None if tensor_amax is None else tensor_amax[1])
+            dsk_hat = ds_k if plan.dk_bf16 else quant_ds(plan, ds_k, False,
+                                                         None if tensor_amax is None else tensor_amax[1])
             dq_c = _split_matmul(dsq_hat, kq.codes[:, :n], kqt.codes[:, :n] if kqt else None,
                                  g.diag if kqt else None)
             dq[s + a:s + b] = (dq_c * plan.scale).transpose(0, 1)
@@ -888,7 +899,8 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
         acc_dv = torch.zeros(Hkv, n_kt, tn, D, **f32)
         acc_dk = torch.zeros(Hkv, n_kt, tn, D, **f32)
         ref_dv = torch.full((Hkv, n_kt), -127.0, **f32)
-        ref_dk = torch.full((Hkv, n_kt * tn), -127.0, **f32)
+        # dk_bf16: no dK scale group, so the reference stays 0 (the epilogue's 2^E is 1)
+        ref_dk = torch.full((Hkv, n_kt * tn), 0.0 if plan.dk_bf16 else -127.0, **f32)
         rows = chunk_rows(plan.chunk, Hkv, L, tm)
         for hh in range(group):  # a unit visits its KV head's query heads in order
             qh = kvh * group + hh
@@ -922,7 +934,8 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
                 p_pad = pad(cg.p)
                 edo = torch.nn.functional.pad(do_v.exp[:, a:b], (front, Mp - front - (b - a)), value=-127.0)
                 do_c, q_c = pad_rows(do_v.codes[:, a:b]), pad_rows(qk.codes[:, a:b])
-                yk, ek = pad(ds_k), pad(_ds_exponents(plan, ds_k, False, amax_k, a + delta, delta), -127.0)
+                yk = pad(ds_k)
+                ek = None if plan.dk_bf16 else pad(_ds_exponents(plan, ds_k, False, amax_k, a + delta, delta), -127.0)
                 yq = pad(ds_q)
                 # dq_bf16: no dQ scale group, so no exponents to take
                 eq = None if plan.dq_bf16 else pad(_ds_exponents(plan, ds_q, True, amax_q, a + delta, delta), -127.0)
@@ -949,13 +962,16 @@ def _backward_pass_mma(plan: Plan, bo: BackwardOps, o32, lse2, cu, group, tensor
                     acc_dv[:, :nh] = _mm(plan.mma_dv, a_dv, do_c[:, None, r], acc_dv[:, :nh])
 
                     # dK += dSᵀ·Q, per-key running reference E over the per-tile dS exponents
-                    et = ek[:, r, :kn].amax(dim=1)  # (H, kn)
-                    E = ref_dk[:, :kn]
-                    up = et > E
-                    acc_dk[:, :nh] *= torch.where(up, _pow2i(E - et), torch.ones_like(E)).view(Hkv, nh, tn, 1)
-                    E = torch.where(up, et, E)
-                    ref_dk[:, :kn] = E
-                    a_dk = _round_codes(yk[:, r, :kn] * _pow2i(-E)[:, None, :], ops.ds)
+                    if plan.dk_bf16:  # dS unquantized (fp32 here), Q codes: exact sums, no scale group
+                        a_dk = yk[:, r, :kn]
+                    else:
+                        et = ek[:, r, :kn].amax(dim=1)  # (H, kn)
+                        E = ref_dk[:, :kn]
+                        up = et > E
+                        acc_dk[:, :nh] *= torch.where(up, _pow2i(E - et), torch.ones_like(E)).view(Hkv, nh, tn, 1)
+                        E = torch.where(up, et, E)
+                        ref_dk[:, :kn] = E
+                        a_dk = _round_codes(yk[:, r, :kn] * _pow2i(-E)[:, None, :], ops.ds)
                     a_dk = a_dk.view(Hkv, tm, nh, tn).permute(0, 2, 3, 1).contiguous()
                     acc_dk[:, :nh] = _mm(plan.mma_dk, a_dk, q_c[:, None, r], acc_dk[:, :nh])
 
