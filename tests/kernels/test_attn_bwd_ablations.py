@@ -17,6 +17,7 @@ import difflib
 
 import jinja2
 import pytest
+from kernel_source import method_source
 
 from flamia_gen.plan import make_plan
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_params
@@ -26,11 +27,6 @@ PLAN = make_plan(load_specs(), arch="sm90")
 BWD = [v for v in PLAN.variants if v.kind.value == "attn_bwd"]
 WRITER = [v for v in BWD if v.route in ("fp8_token", "bf16") and v.param("head_dim") == 128
           and not dict(v.params).get("deterministic")]
-
-
-def _writer(src: str) -> str:
-    start = src.index("    def dq_writer(")
-    return src[start:src.index("\n    @cute.jit", start)]
 
 
 def test_off_by_default():
@@ -44,7 +40,7 @@ def test_off_by_default():
 def test_writer_loses_only_the_reduce_adds(v):
     base, abl = render_variant(v), render_with_flags(v, bwd_ablate_dq_reduce=True)
     assert rendered_params(abl)["bwd_ablate_dq_reduce"] is True
-    wb, wa = _writer(base), _writer(abl)
+    wb, wa = method_source(base, "dq_writer"), method_source(abl, "dq_writer")
     assert wb.count("bulk_reduce_add_f32(") >= 1 and wa.count("bulk_reduce_add_f32(") == 0
     for keep in ("barrier(barrier_id=DQ_FULL_BAR", "cp_async_bulk_commit_group()", "cp_async_bulk_wait_group(0, read=True)",
                  "barrier_arrive(barrier_id=DQ_EMPTY_BAR"):

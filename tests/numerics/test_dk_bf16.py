@@ -49,7 +49,8 @@ def test_dk_bf16_changes_dk_only_and_moves_it_towards_fp32(mma, outliers, dq_bf1
         return
     ref = attention_backward(q, k, v, o, lse, do, cu, True, None)[1]
     c0, c1 = float(cosine(dk0, ref)), float(cosine(dk1, ref))
-    assert c1 > c0 and c1 > 0.997, (c0, c1)  # E4M3 Q, K, dO, P still bound it: a small step (0.9981 → 0.9984)
+    # E4M3 Q, K, dO and P still bound it: a small step (0.9981 → 0.9984 here); 0.997 is issue #9's bar for 8-bit routes
+    assert c1 > c0 and c1 > 0.997, (c0, c1)
 
 
 def test_dk_bf16_is_one_product_under_either_model():
@@ -63,13 +64,16 @@ def test_dk_bf16_is_one_product_under_either_model():
     assert float((a - b).abs().max()) < float((a0 - b0).abs().max())
 
 
-def test_dk_bf16_is_fp8_pv_dk_on_bf16qk():
-    """fp8_token_bf16qk's dK with dk_bf16 takes Q's E4M3 codes·2^eq; fp8_pv's dK takes the BF16 Q: not the same Q, so
-    they differ — but both are unquantized-dS products and close to each other and to fp32."""
+@pytest.mark.parametrize("mma", ["exact", "sm90_fp8"])
+def test_dk_bf16_on_bf16qk_changes_dk_only_and_moves_it_towards_fp32(mma):
+    """fp8_token_bf16qk's dK also takes E4M3 dS and Q codes: with dk_bf16 the unquantized dS times Q's codes·2^eq
+    (0.99865 → 0.99896 to fp32 here); its dQ and dV do not move."""
     r, q, k, v, o, lse, do, cu = _case(route="fp8_token_bf16qk")
-    dk = route_backward(r, q, k, v, o, lse, do, cu, True, dk_bf16=True, **KW)[1]
+    dq0, dk0, dv0 = route_backward(r, q, k, v, o, lse, do, cu, True, mma=mma, **KW)
+    dq1, dk1, dv1 = route_backward(r, q, k, v, o, lse, do, cu, True, dk_bf16=True, mma=mma, **KW)
+    assert torch.equal(dq0, dq1) and torch.equal(dv0, dv1) and not torch.equal(dk0, dk1)
     ref = attention_backward(q, k, v, o, lse, do, cu, True, None)[1]
-    assert float(cosine(dk, ref)) > 0.997
+    assert float(cosine(dk1, ref)) > float(cosine(dk0, ref))
 
 
 @pytest.mark.parametrize("route", ["bf16", "fp8_pv", "mxfp8_exact"])
