@@ -123,6 +123,13 @@ def bwd_dq_bf16(params: dict) -> bool:
     return bool(e4m3 and params.get("ds_gran") == "square_32" and params.get("bwd_dq_bf16", False))
 
 
+def bwd_dk_bf16(params: dict) -> bool:
+    """Whether the template renders these backward params with bwd_dk_bf16 (an experiment, off unless asked): dK on
+    BF16 dS' and Q̂ on the per-token E4M3 dS tile with the K̂ tile of bwd_dq_bf16 (not the BF16-score one)."""
+    return bool(params.get("bwd_dk_bf16") and bwd_dq_bf16(params) and params.get("ds_gran") == "token"
+                and not params.get("scores_bf16"))
+
+
 def bwd_row_swz(params: dict) -> bool:
     """Whether the template renders bwd_row_swz: FP8 tiles only; default on for all of them but fp8_pv's (BF16 dS),
     unless the params ask for the padding (bwd_row_pad) without naming the swizzle."""
@@ -145,7 +152,7 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
     """Backward (key tile outer): K and V (and, FP8, Kᵀ; diag_v: per-token V) once per unit; per stage Q and dO (FP8:
     also their K-major copies Qᵀ, dOᵀ; scores_bf16: K and Q in BF16); dS double-buffered for dQ = dS·K; row factors, amax; the
     fp32 dQ staging tile of the bulk reduce-add (rows of D + 8 words; non-deterministic variants); bwd_dq_bf16's BF16
-    dS (and K̂ tile), bwd_row_pad's padded per-query words."""
+    dS (and K̂ tile), bwd_dk_bf16's BF16 Q̂ stages (without Kᵀ), bwd_row_pad's padded per-query words."""
     d, m, n, st = params["head_dim"], params["tile_m"], params["tile_n"], params["stages"]
     kv = (3 if elem_bytes == 1 else 2) * n * d * elem_bytes
     per_stage = (4 if elem_bytes == 1 else 2) * m * d * elem_bytes + 8 * 4 * m
@@ -164,6 +171,9 @@ def attn_bwd_smem_bytes(params: dict, elem_bytes: int) -> int:
             kv += 2 * n * d
         if params.get("ds_gran") == "square_32":  # mxfp8's: no Kᵀ tile (bwd_no_kt; its name aliases sK16)
             kv -= n * d
+    if elem_bytes == 1 and bwd_dk_bf16(params):  # Q̂ BF16 in place of Qᵀ's codes; no Kᵀ tile (kt_alias)
+        per_stage += m * d
+        kv -= n * d
     if elem_bytes == 1 and bwd_row_pad(params):  # 4 more words per column pair of per-query words
         per_stage += 4 * 4 * (m // 2)
     dq = 0 if params.get("deterministic") else m * (d + 8) * 4

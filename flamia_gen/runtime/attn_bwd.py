@@ -39,6 +39,7 @@ import torch
 
 from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, k_rows_for_tma,
                        kernel_key_align, longest_first, merge_windows, unit_counter_arg)
+from .quant import padded_token_rows
 
 _E5M2_CODE_DTYPES = (torch.uint8, torch.float8_e5m2)
 
@@ -605,6 +606,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     by_name.update({n: t if n.endswith("_scale") else _as_e4m3(t) for n, t in split.items() if t is not None})
     if nvfp4:
         by_name["qk_tensor_scale"] = qk_tensor_scale
+    if any(a["name"] == "q_hat" for a in args_spec):  # bwd_dk_bf16: dK's B, Q̂ = Q codes·2^(eq+edo) in BF16
+        by_name["q_hat"] = q_hat_bf16(q, q_scale, do_scale, do_t.shape[2])
     two_pass = is_ds_tensor_spec(args_spec)
     if two_pass:
         # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
@@ -643,6 +646,19 @@ def dq_from_accum(dq_accum, params: dict, softmax_scale: float, do_scale=None):
     return torch.mul(acc, float(softmax_scale), out=out)
 
 
+def q_hat_bf16(q, q_scale, do_scale, t_pad: int):
+    """`bwd_dk_bf16`'s Q̂ (T, HQ, D) BF16: Q's E4M3 codes `q` times 2^(eq+edo), the factor the FP8 tile keeps in its
+    per-query word 3 (bwd_dof_fold) — 2^eq from q_scale's code bits (code << 23 as fp32: code 0 → 0, 255 → inf), 2^edo
+    as `dq_row_factor` builds it (the NaN code 255 → 1), their fp32 product. Exact in BF16 (a code's 4 significant
+    bits times a power of two) unless it leaves BF16's normal range. Storage of `t_pad` rows, zero past T: the
+    row-permuting TMA reads whole 16-query groups (masked queries, whose dS is 0: never NaN from Q̂)."""
+    T, H, D = q.shape
+    f = (q_scale.to(torch.int32) << 23).view(torch.float32) * dq_row_factor(do_scale, 1.0)
+    out = padded_token_rows((T, H, D), torch.bfloat16, q.device, max(int(t_pad), T))
+    # a power of two (or 0, inf, NaN) is exact in BF16, and so is the product of two BF16 values that fits
+    return torch.mul(_as_e4m3(q).to(torch.bfloat16), f.to(torch.bfloat16).unsqueeze(-1), out=out)
+
+
 def dq_row_factor(do_scale, softmax_scale: float):
     """softmax_scale·2^edo per (token, query head) as the FP8 tile's producer builds it (bwd_dof_fold's word 4): the
     code's bits shifted into an fp32 exponent, 1 for the NaN code 255 (a NaN dO row keeps factor 1), times the scale
@@ -677,4 +693,4 @@ __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
-           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "is_deterministic_spec", "check_deterministic"]
+           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "q_hat_bf16", "is_deterministic_spec", "check_deterministic"]

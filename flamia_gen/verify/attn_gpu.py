@@ -402,14 +402,16 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         # 0.99998 (exact sums) to 0.999998 on Gaussian inputs. The exact-sum emulator is reported beside.
         emu = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
                                  tile_m=params["tile_m"], tile_n=params["tile_n"], mma=mma,
-                                 key_align=opts["key_align"], dq_bf16=bool(params.get("bwd_dq_bf16")), **fwd_tiles)
+                                 key_align=opts["key_align"], dq_bf16=bool(params.get("bwd_dq_bf16")),
+                                 dk_bf16=bool(params.get("bwd_dk_bf16")), **fwd_tiles)
         exact = attention_backward(q, k, v, o, lse, do, cu, causal, None)
         row = dict(variant=entry["name"], route=route.name, kind=kind, T=int(cu[-1]), docs=len(docs),
                    emulator_mma=mma, **fwd_tiles)
         if mma != "exact":
             emu_sums = attention_backward(q, k, v, o, lse.transpose(0, 1), do, cu, causal, route,
                                           tile_m=params["tile_m"], tile_n=params["tile_n"],
-                                          dq_bf16=bool(params.get("bwd_dq_bf16")), **fwd_tiles)
+                                          dq_bf16=bool(params.get("bwd_dq_bf16")),
+                                          dk_bf16=bool(params.get("bwd_dk_bf16")), **fwd_tiles)
             for name, got, e in zip(("dq", "dk", "dv"), (dq, dk, dv), emu_sums):
                 row[f"{name}_cos_emulator_exact_sums"] = float(cosine(got.float(), e.float()))
         ok = True

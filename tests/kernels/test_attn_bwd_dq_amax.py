@@ -246,12 +246,13 @@ def test_bwd_experiments_variants_names_and_support():
     # non-deterministic tiles' default: no split, splitsl (none of bf16's at D = 128), splitslint, splitslc,
     # splitslintc; dqsl, dqc, dqcsl leave those 2 (dqsl on 6, dqc and dqcsl on bf16's 2); nosplitslc and splitnosl
     # undo it there (2 each); round 46's sahead and saheadlate (the next tile's Sᵀ under the dQ epilogue) on those 2;
-    # round 47's ablations nodqred on those 2 and bf16's 2 non-deterministic D = 128 tiles, nodkq on fp8_token's 2
+    # round 47's ablations nodqred on those 2 and bf16's 2 non-deterministic D = 128 tiles, nodkq on fp8_token's 2;
+    # the forty-eighth session's dk16 (bwd_dk_bf16) on fp8_token's 2
     split_family = ("split", "splitsl", "dqsl", "splitint", "nosplit", "dqc", "dqcsl", "nosplitslc", "splitnosl")
     assert {t: sum(1 for x, _ in tagged if x == t) for t in split_family} == dict(
         split=0, splitsl=0, dqsl=6, splitint=6, nosplit=4, dqc=2, dqcsl=2, nosplitslc=2, splitnosl=2)
     assert len(names) == len(set(names)) == (8 + 4 * 4 + 4 * 7 + 4 + 4 * 6 + 2 + 2 + 4 + 4 + 4 + 4 + 8 + 4
-                                             + 6 + 6 + 4 + 2 + 2 + 2 + 2 + 2 + 2 + 4 + 2)
+                                             + 6 + 6 + 4 + 2 + 2 + 2 + 2 + 2 + 2 + 4 + 2 + 2)
     assert not {t for t, _ in tagged} & {"dqfirst", "dqfsl", "splitdqf"}
     for tag, v in tagged:
         assert bx.split_name(v.name, bx.EXPERIMENTS) == ((v.name[:-len(tag) - 2], tag) if tag else (v.name, ""))
@@ -303,6 +304,10 @@ def test_bwd_experiments_variants_names_and_support():
         elif tag == "nodkq":  # tests/kernels/test_attn_bwd_ablations.py
             p = rendered_params(render_variant(v))
             assert p.get("bwd_ablate_dk_quant") is True and dict(v.params)["head_dim"] == 128
+            assert v.route == "fp8_token" and "deterministic" not in dict(v.params)
+        elif tag == "dk16":  # tests/kernels/test_attn_bwd_dk_bf16.py
+            p = rendered_params(render_variant(v))
+            assert p.get("bwd_dk_bf16") is True and dict(v.params)["head_dim"] == 128
             assert v.route == "fp8_token" and "deterministic" not in dict(v.params)
         elif tag == "splitint":  # tests/kernels/test_attn_bwd_sdp_split.py
             p = rendered_params(render_variant(v))
