@@ -39,7 +39,6 @@ import torch
 
 from .attn_fwd import (_FP8_CODE_DTYPES, _as_e4m3, _check_common, _check_tensor, _need, flag_windows, k_rows_for_tma,
                        kernel_key_align, longest_first, merge_windows, unit_counter_arg)
-from .quant import padded_token_rows
 
 _E5M2_CODE_DTYPES = (torch.uint8, torch.float8_e5m2)
 
@@ -479,7 +478,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
                  fwd_tile_m: int | None = None, q_t_scale: torch.Tensor | None = None,
                  do_t_scale: torch.Tensor | None = None, k_diag: torch.Tensor | None = None,
                  k_t_diag: torch.Tensor | None = None, k_diag_scale: torch.Tensor | None = None,
-                 qk_tensor_scale: torch.Tensor | None = None, trusted: bool = False):
+                 qk_tensor_scale: torch.Tensor | None = None, trusted: bool = False, keep: dict | None = None):
     """Call a compiled attention backward; returns (dq BF16 (T, HQ, D) — the kernel call's own when its ARGS name
     `dq` (bwd_dq_convert), else `dq_from_accum` of the accumulator —, dk, dv BF16 (T, HKV, D),
     dq_accum fp32 (T, HQ, D): the kernel's accumulator storage — head-major and chunk-swizzled for a
@@ -511,7 +510,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     NVFP4 Q, K dequantized to BF16 (code·block scale) that Sᵀ = K·Qᵀ reads, `qk_tensor_scale` fp32 (1,) their tensor
     scales ts_q·ts_k on the device; `q_t`, `q_scale`, `k_t`, `k_scale` the E4M3 token-block copies of Q, K (dK, dQ).
     `trusted`: the caller made every tensor itself (the op's eager path: its own quantizers' outputs, the saved
-    forward outputs, a schedule from `bwd_schedule`): `check_bwd_inputs` and the schedule's checks are skipped."""
+    forward outputs, a schedule from `bwd_schedule`): `check_bwd_inputs` and the schedule's checks are skipped.
+    `keep`: a dict that receives the kernel call's arguments by name after the call (`verify` reads the call-made
+    workspace `q_hat` of a `bwd_dk_bf16` variant and the codes it came from)."""
     fp8 = _is_fp8_spec(args_spec)
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
@@ -606,8 +607,9 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     by_name.update({n: t if n.endswith("_scale") else _as_e4m3(t) for n, t in split.items() if t is not None})
     if nvfp4:
         by_name["qk_tensor_scale"] = qk_tensor_scale
-    if any(a["name"] == "q_hat" for a in args_spec):  # bwd_dk_bf16: dK's B, Q̂ = Q codes·2^(eq+edo) in BF16
-        by_name["q_hat"] = q_hat_bf16(q, q_scale, do_scale, do_t.shape[2])
+    if any(a["name"] == "q_hat" for a in args_spec):
+        # bwd_dk_bf16: dK's B, Q̂ = Q codes·2^(eq+edo) in BF16, written by the call's own first launch
+        by_name["q_hat"] = q_hat_workspace(T, HQ, D, do_t.shape[2], dev)
     two_pass = is_ds_tensor_spec(args_spec)
     if two_pass:
         # tensor-scaled dS: launch 1 max-reduces the call's two dS fold maxima into ds_amax, launch 2 reads them
@@ -616,6 +618,8 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     if missing:
         raise ValueError(f"args_spec: names arguments this wrapper does not know: {missing}")
     fn(*[by_name[a["name"]] for a in args_spec])
+    if keep is not None:
+        keep.update(by_name)
     if two_pass:
         by_name["amax_pass"] = 0
         fn(*[by_name[a["name"]] for a in args_spec])
@@ -646,17 +650,12 @@ def dq_from_accum(dq_accum, params: dict, softmax_scale: float, do_scale=None):
     return torch.mul(acc, float(softmax_scale), out=out)
 
 
-def q_hat_bf16(q, q_scale, do_scale, t_pad: int):
-    """`bwd_dk_bf16`'s Q̂ (T, HQ, D) BF16: Q's E4M3 codes `q` times 2^(eq+edo), the factor the FP8 tile keeps in its
-    per-query word 3 (bwd_dof_fold) — 2^eq from q_scale's code bits (code << 23 as fp32: code 0 → 0, 255 → inf), 2^edo
-    as `dq_row_factor` builds it (the NaN code 255 → 1), their fp32 product. Exact in BF16 (a code's 4 significant
-    bits times a power of two) unless it leaves BF16's normal range. Storage of `t_pad` rows, zero past T: the
-    row-permuting TMA reads whole 16-query groups (masked queries, whose dS is 0: never NaN from Q̂)."""
-    T, H, D = q.shape
-    f = (q_scale.to(torch.int32) << 23).view(torch.float32) * dq_row_factor(do_scale, 1.0)
-    out = padded_token_rows((T, H, D), torch.bfloat16, q.device, max(int(t_pad), T))
-    # a power of two (or 0, inf, NaN) is exact in BF16, and so is the product of two BF16 values that fits
-    return torch.mul(_as_e4m3(q).to(torch.bfloat16), f.to(torch.bfloat16).unsqueeze(-1), out=out)
+def q_hat_workspace(T: int, HQ: int, D: int, t_pad: int, device) -> torch.Tensor:
+    """`bwd_dk_bf16`'s Q̂ buffer: (T, HQ, D) BF16 over storage of max(t_pad, T) rows. The call's `q_hat_build` launch
+    writes every row of it (rows past T zero: the row-permuting TMA reads whole 16-query groups), so it starts
+    uninitialised; its values are `numerics.q_hat.q_hat` of the call's Q codes and scale codes, bit for bit."""
+    full = torch.empty((max(int(t_pad), T), HQ, D), dtype=torch.bfloat16, device=device)
+    return full[:T]
 
 
 def dq_row_factor(do_scale, softmax_scale: float):
@@ -693,4 +692,4 @@ __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
            "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
-           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "q_hat_bf16", "is_deterministic_spec", "check_deterministic"]
+           "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "q_hat_workspace", "is_deterministic_spec", "check_deterministic"]

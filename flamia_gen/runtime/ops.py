@@ -302,7 +302,8 @@ def qk_nvfp4_operands(bwd: dict) -> bool:
 
 
 def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale: float | None = None,
-                  poison: bool = False, codes=None, fwd_params: dict | None = None, trusted: bool = False):
+                  poison: bool = False, codes=None, fwd_params: dict | None = None, trusted: bool = False,
+                  keep: dict | None = None):
     """One backward through bundle entry `bwd` (no dispatch): the route's quantizer launches
     (Q, K, V recomputed bit for bit as the forward had them, unless `codes`, the forward's own
     quantizer outputs (attention_fwd's code outputs), are given; dO with D = rowsum(dO∘O) and the
@@ -324,7 +325,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     (`attention.token_copy_use(granularity="token_block")`: codes_t, scales → q_t, q_scale, k_t, k_scale: dK = dSᵀ·Q,
     dQ = dS·K); V, dO (and the diagonal V copy) as mxfp8.
     `trusted`: every tensor is the op's own (the eager path's saved forward outputs and autograd's gradient), so
-    `run_attn_bwd` does not re-validate them."""
+    `run_attn_bwd` does not re-validate them. `keep`: passed to `run_attn_bwd` (receives the kernel's arguments)."""
     T, HQ, D = q.shape
     route = bwd["uses"][0]
     fn, args, params = b.get(bwd["name"]), bwd["args"], bwd["params"]
@@ -360,7 +361,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         dl = _quantize(b, do_entry, do, cu, o=o)
         return run_attn_bwd(fn, args, q, k, v, do, lse, dl["delta"], cu_seqlens=cu, params=params,
                             dq_accum=dl["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison,
-                            trusted=trusted)
+                            trusted=trusted, keep=keep)
 
     def pick(op, copy=None):
         # the route's quantizer of `op`, or the bundled copy of it at granularity `copy`: per token ("token", what
@@ -432,7 +433,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         dq_["codes"], lse, dq_["delta"], cu_seqlens=cu, params=params, do_t=dt["codes_t"], **qkc,
         v_scale=per_token_scales(vq["scales"], v), do_scale=per_token_scales(dq_["scales"], do),
         dq_accum=dq_["dq_accum"], softmax_scale=softmax_scale, schedule=sched, poison=poison, trusted=trusted,
-        **diag, **extra)
+        keep=keep, **diag, **extra)
 
 
 def _attention_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

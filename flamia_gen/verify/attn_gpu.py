@@ -309,13 +309,28 @@ def backward_setup(bundle, entry: dict, q, k, v, cu, *, with_forward: bool = Fal
     return (o, lse, prof, fwd) if with_forward else (o, lse, prof)
 
 
-def _run_bwd(bundle, entry, q, k, v, do, cu, poison=True):
+def _run_bwd(bundle, entry, q, k, v, do, cu, poison=True, keep=None):
     from ..runtime.ops import backward_with
 
     o, lse, prof, fwd = backward_setup(bundle, entry, q, k, v, cu, with_forward=True)
     dq, dk, dv, _ = backward_with(bundle, entry, do, q, k, v, o, lse, cu, prof, poison=poison,
-                                  fwd_params=fwd["params"])
+                                  fwd_params=fwd["params"], keep=keep)
     return o, lse, dq, dk, dv
+
+
+def q_hat_bitwise(keep: dict) -> bool | None:
+    """A `bwd_dk_bf16` call's Q̂ (its `q_hat_build` launch) against `numerics.q_hat` of the codes and scale codes the
+    kernel read, bit for bit, over its whole storage (rows past T zero); None for a call without one."""
+    from ..numerics.q_hat import q_hat
+
+    got = keep.get("q_hat")
+    if got is None:
+        return None
+    T, H, D = got.shape
+    rows = got.untyped_storage().nbytes() // (H * D * got.element_size())
+    full = torch.as_strided(got, (rows, H, D), got.stride())
+    want = q_hat(keep["q"][:T], keep["q_scale"], keep["do_scale"])
+    return bool(torch.equal(full[:T].view(torch.int16), want.view(torch.int16)) and not full[T:].any())
 
 
 def emulator_forward_tiles(bundle, entry: dict) -> dict:
@@ -391,8 +406,11 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         docs = make_docs(kind, gen)
         q, k, v, cu = make_qkv(docs, hq, hkv, params["head_dim"], kind, gen, "cuda")
         do = torch.randn(q.shape, generator=gen).to(torch.bfloat16).cuda()
-        o, lse, dq, dk, dv = _run_bwd(bundle, entry, q, k, v, do, cu)
+        keep = {}
+        o, lse, dq, dk, dv = _run_bwd(bundle, entry, q, k, v, do, cu, keep=keep)
         torch.cuda.synchronize()
+        qh_ok = q_hat_bitwise(keep)  # bwd_dk_bf16's call-made operand, held to its reference bit for bit
+        keep.clear()
         opts = emulator_options(params)
         mma = opts["mma"]
         # The bound's emulator: for FP8 kernels every FP8 product of the backward under the tensor-core
@@ -433,6 +451,9 @@ def verify_bwd_entry(bundle, entry, *, kinds=("gauss", "outlier", "tiny_docs"), 
         if probe and kind in ("gauss", "tiny_docs") and causal and route.exact:
             row.update(probe_bwd(bundle, entry, q, k, v, do, cu))
             ok = ok and row["probe_dq_exact"] and row["probe_dkv_other_docs_exact"]
+        if qh_ok is not None:
+            row["q_hat_bitwise"] = qh_ok
+            ok = ok and qh_ok
         row["ok"] = ok
         if dump_dir and not ok:
             row["dump"] = dump_case(dump_dir, entry, kind, q=q, k=k, v=v, do=do, cu_seqlens=cu, o=o, lse=lse,

@@ -1,12 +1,14 @@
 """`bwd_dk_bf16` (templates/sm90/attn_bwd.py.j2; docs/kernels/attn_bwd.md "dK on BF16 dS'"): fp8_token's backward tile
 takes dK = dS'ᵀ·Q̂ as a BF16 wgmma — A the BF16 dS' that dQ already takes, B Q̂ = Q's E4M3 codes·2^(eq+edo), a BF16
 (tile_m, D) tile a stage loaded like Q (with its row permutation) in the place of Qᵀ — instead of quantizing dS per
-(key, query tile) with a running exponent. The runtime builds Q̂ (`runtime.attn_bwd.q_hat_bf16`).
+(key, query tile) with a running exponent. The call's first launch (`q_hat_build`) writes Q̂ into a workspace the
+runtime allocates (`runtime.attn_bwd.q_hat_workspace`); `numerics.q_hat.q_hat` is its bitwise reference.
 
 CPU: the flagged render against the default (the dK scale chain gone, the BF16 operand in, no Kᵀ tile), its refusals,
-the smem model, Q̂'s values and the wrapper passing it; `compile` tests cross-compile the flagged tile for sm_90a. The
-kernel runs on the GPU through `python -m flamia_gen.bench.bwd_experiments run` (tag `dk16`), which verifies it against
-the emulator's `dk_bf16`.
+the smem model, Q̂'s reference values, the wrapper's workspace and verify's bitwise check; `compile` tests
+cross-compile the flagged tile for sm_90a. The kernel runs on the GPU through `python -m flamia_gen.bench.bwd_experiments
+run` (tag `dk16`) and `flamia-gen verify --device cuda`, which hold dK to the emulator's `dk_bf16` and Q̂ to its
+reference bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from kernel_source import method_source
 from flamia_gen.plan import make_plan
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes, bwd_dk_bf16
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_literals, rendered_params
-from flamia_gen.runtime.attn_bwd import q_hat_bf16, run_attn_bwd
+from flamia_gen.numerics.q_hat import q_hat
+from flamia_gen.runtime.attn_bwd import q_hat_workspace, run_attn_bwd
+from flamia_gen.verify.attn_gpu import q_hat_bitwise
 from flamia_gen.spec import Arch, load_specs
 
 from test_attn_bwd_template import _fp8_inputs
@@ -48,7 +52,11 @@ def test_flagged_tile(v):
     names = [a["name"] for a in args]
     assert names[:3] == ["q", "q_hat", "q_scale"] and "q_t" not in names
     assert next(a for a in args if a["name"] == "q_hat") == {"name": "q_hat", "dtype": "bfloat16",
-                                                              "shape": ["T", "HQ", "D"], "role": "in"}
+                                                              "shape": ["T", "HQ", "D"], "role": "workspace"}
+    # the call launches q_hat_build (every T_PAD row) before the tile kernel, on its stream
+    call = method_source(src, "__call__")
+    assert call.index("self.q_hat_build(mQ, mQs, mdOs, mQh") < call.index("self.kernel(")
+    assert "qh_rows = mdOt.shape[2] * mQ.shape[1]" in call and "q_hat_build" not in base
     assert names[3:] == [a["name"] for a in _lit(base)["ARGS"]][3:]
     tile, tile0 = method_source(src, "one_tile"), method_source(base, "one_tile")
     # dK's per-pair chain (y, row amax, running exponent and its rescale, 1/2^E) and its E4M3 codes are gone
@@ -117,39 +125,59 @@ def _pow2(code: torch.Tensor) -> torch.Tensor:
     return torch.where(code == 0, torch.zeros_like(c), torch.exp2(c - 127))
 
 
-def test_q_hat_values():
-    g = torch.Generator().manual_seed(5)
-    T, H, D, tpad = 37, 3, 128, 48
+def _codes_and_scales(T=37, H=3, D=128, seed=5):
+    g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 256, (T, H, D), dtype=torch.uint8, generator=g)
     q[(q & 0x7F) == 0x7F] = 0x3C  # no NaN codes (E4M3 0x7F / 0xFF)
     qs = torch.randint(100, 150, (T, H), dtype=torch.uint8, generator=g)
     ds = torch.randint(100, 150, (T, H), dtype=torch.uint8, generator=g)
     ds[0, 0], ds[1, 1], qs[2, 2] = 255, 0, 0  # dO's NaN code keeps factor 1; code 0 is a zero factor
-    got = q_hat_bf16(q, qs, ds, tpad)
-    assert got.dtype == torch.bfloat16 and got.shape == (T, H, D)
+    return q, qs, ds
+
+
+def test_q_hat_reference_values():
+    q, qs, ds = _codes_and_scales()
+    got = q_hat(q, qs, ds)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
     fdo = torch.where(ds == 255, torch.ones_like(_pow2(ds)), _pow2(ds))
     want = q.view(torch.float8_e4m3fn).to(torch.float64) * (_pow2(qs) * fdo).unsqueeze(-1)
     assert torch.equal(got.to(torch.float64), want)  # exact: a code's 4 significant bits times a power of two
     assert torch.equal(got[0, 0].double(), q[0, 0].view(torch.float8_e4m3fn).double() * 2.0 ** (int(qs[0, 0]) - 127))
     assert not got[1, 1].any() and not got[2, 2].any()
-    # rows T … T_PAD − 1 of its storage (read by the row-permuting TMA) are zero
-    full = torch.as_strided(got, (tpad, H, D), got.stride())
-    assert not full[T:].any() and full.untyped_storage().nbytes() >= tpad * H * D * 2
+    assert torch.equal(q_hat(q.view(torch.float8_e4m3fn), qs, ds).view(torch.int16), got.view(torch.int16))
+    with pytest.raises(ValueError, match="q_hat: codes"):
+        q_hat(q, qs[:-1], ds)
+
+
+def test_verify_holds_q_hat_to_its_reference_bitwise():
+    q, qs, ds = _codes_and_scales()
+    T, H, D = q.shape
+    ws = q_hat_workspace(T, H, D, 48, "cpu")
+    full = torch.as_strided(ws, (48, H, D), ws.stride())
+    assert ws.shape == (T, H, D) and full.untyped_storage().nbytes() == 48 * H * D * 2
+    full.zero_()
+    ws.copy_(q_hat(q, qs, ds))  # what the call's q_hat_build writes
+    keep = dict(q=q.view(torch.float8_e4m3fn), q_scale=qs, do_scale=ds, q_hat=ws)
+    assert q_hat_bitwise(keep) is True and q_hat_bitwise({}) is None
+    ws.view(torch.int16)[5, 1, 7] ^= 1  # one bit
+    assert q_hat_bitwise(keep) is False
+    ws.view(torch.int16)[5, 1, 7] ^= 1
+    full[T + 2, 0, 0] = 1.0  # a padding row not zero
+    assert q_hat_bitwise(keep) is False
 
 
 @pytest.mark.parametrize("v", D128[:1], ids=lambda v: v.name)
-def test_wrapper_passes_q_hat(v):
+def test_wrapper_passes_a_q_hat_workspace(v):
     lit = _lit(render_with_flags(v, bwd_dk_bf16=True))
     x = _fp8_inputs()
-    x["q"] = torch.full_like(x["q"], 0x38)  # E4M3 1.0
-    x["q_scale"] = torch.full_like(x["q_scale"], 130)
-    x["do_scale"] = torch.full_like(x["do_scale"], 120)
-    seen = []
-    run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"])
+    seen, keep = [], {}
+    run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"], keep=keep)
     by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
-    assert len(seen) == len(lit["ARGS"]) and "q_t" not in by
-    assert by["q_hat"].dtype == torch.bfloat16 and by["q_hat"].shape == x["q"].shape
-    assert bool((by["q_hat"] == 2.0 ** (130 - 127 + 120 - 127)).all())
+    assert len(seen) == len(lit["ARGS"]) and "q_t" not in by and keep["q_hat"] is by["q_hat"]
+    T, H, D = x["q"].shape
+    tpad = x["do_t"].shape[2]
+    assert by["q_hat"].dtype == torch.bfloat16 and by["q_hat"].shape == (T, H, D) and by["q_hat"].is_contiguous()
+    assert by["q_hat"].untyped_storage().nbytes() == tpad * H * D * 2  # the row-permuting TMA reads T_PAD rows
     assert by["q"].dtype == torch.float8_e4m3fn  # S = K·Qᵀ keeps the codes
 
 

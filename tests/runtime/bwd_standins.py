@@ -211,7 +211,7 @@ def emulated_run_bwd(route, fwd_tile_m=192, fwd_tile_n=128):
     tiles, the backward on the kernel's tiles under the FP8 model), on the CPU."""
     from flamia_gen.numerics.reference import attention, attention_backward
 
-    def run(bundle, entry, q, k, v, do, cu, poison=True):
+    def run(bundle, entry, q, k, v, do, cu, poison=True, keep=None):  # keep: no call-made workspace here
         o, lse = attention(q, k, v, cu, causal=True, route=route, return_lse=True, tile_m=fwd_tile_m,
                            tile_n=fwd_tile_n, key_align=16, mma="sm90_fp8")
         o = o.to(torch.bfloat16)
