@@ -205,13 +205,14 @@ def bwd_schedule(cu_seqlens: torch.Tensor, tile_m: int, tile_n: int, causal: boo
 def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None, k_t=None, do_t=None,
                      q_scale=None, k_scale=None, v_scale=None, do_scale=None, dq_accum=None,
                      head_dim: int | None = None, scores_bf16: bool = False,
-                     ds16: bool = False, do_e5m2: bool = False) -> tuple[int, int, int, int]:
+                     ds16: bool = False, do_e5m2: bool = False, q_hat: bool = False) -> tuple[int, int, int, int]:
     """Validate the backward's inputs; returns (T, HQ, HKV, D). Raises ValueError naming the
     argument. fp8: q, k, v, do codes (T, H, D) uint8/float8_e4m3fn, q_t, k_t, do_t codes (H, D, T_PAD),
     four uint8 scale tensors (T, H); with `scores_bf16` q and k are the BF16 inputs instead (Sᵀ = K·Qᵀ
     in BF16; q_t, k_t and the scales still serve dK, dQ), with `ds16` too (dK, dQ in BF16 on q, k: route
     fp8_pv) there are no q_t, k_t, q_scale, k_scale; with `do_e5m2` (route fp8_tensor) do and do_t are E5M2
-    codes (uint8/float8_e5m2); bf16: q, k, v, do BF16 (T, H, D). lse, delta
+    codes (uint8/float8_e5m2); with `q_hat` (bwd_dk_bf16: dK takes Q̂, which the call builds from q and the scale
+    codes) there is no q_t; bf16: q, k, v, do BF16 (T, H, D). lse, delta
     fp32 (HQ, T); dq_accum, when given, fp32 (T, HQ, D). cu_seqlens values are checked only on the CPU."""
     dev = q.device if isinstance(q, torch.Tensor) else None
     code = _FP8_CODE_DTYPES if fp8 else (torch.bfloat16,)
@@ -235,7 +236,10 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
     _check_tensor(do, "do", do_code, (T, HQ, D), dev)
     if fp8:
         tpad = None
-        qk = () if ds16 else ((q_t, "q_t", HQ), (k_t, "k_t", HKV))
+        qk = () if ds16 else ((k_t, "k_t", HKV),) if q_hat else ((q_t, "q_t", HQ), (k_t, "k_t", HKV))
+        if q_hat:
+            _need(q_t is None, "q_t", "this variant's dK takes Q̂ (bwd_dk_bf16), which its call builds from q and "
+                  "the scale codes: it takes no Qᵀ codes")
         if ds16:
             for t, name in ((q_t, "q_t"), (k_t, "k_t"), (q_scale, "q_scale"), (k_scale, "k_scale")):
                 _need(t is None, name, "this variant's dK and dQ are BF16 on q, k (ds16): it takes no Q/K codes "
@@ -246,7 +250,7 @@ def check_bwd_inputs(q, k, v, do, lse, delta, *, cu_seqlens, fp8: bool, q_t=None
                 raise ValueError(f"{name}: T_PAD={t.shape[2]} must be ≥ T={T} and a multiple of 16 (TMA strides)")
             tpad = t.shape[2] if tpad is None else tpad
             if t.shape[2] != tpad:
-                raise ValueError(f"{name}: T_PAD={t.shape[2]} differs from q_t's {tpad}")
+                raise ValueError(f"{name}: T_PAD={t.shape[2]} differs from {qk[0][1] if qk else 'do_t'}'s {tpad}")
         qks = () if ds16 else ((q_scale, "q_scale", HQ), (k_scale, "k_scale", HKV))
         for t, name, h in qks + ((v_scale, "v_scale", HKV), (do_scale, "do_scale", HQ)):
             _check_tensor(t, name, (torch.uint8,), (T, h), dev)
@@ -270,6 +274,11 @@ def _is_fp8_spec(args_spec: Sequence[dict]) -> bool:
 def is_ds16_spec(args_spec: Sequence[dict]) -> bool:
     """An 8-bit backward whose dK, dQ are BF16 on the BF16 q, k (route fp8_pv): no Q/K codes in its ARGS."""
     return _is_fp8_spec(args_spec) and not any(a["name"] == "k_t" for a in args_spec)
+
+
+def is_q_hat_spec(args_spec: Sequence[dict]) -> bool:
+    """`bwd_dk_bf16`: dK takes Q̂ (ARGS `q_hat`, a workspace the call's first launch fills) and no Qᵀ codes (q_t)."""
+    return any(a["name"] == "q_hat" for a in args_spec)
 
 
 def is_do_e5m2_spec(args_spec: Sequence[dict]) -> bool:
@@ -517,13 +526,14 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     sbf16 = is_scores_bf16_spec(args_spec)
     ds16 = is_ds16_spec(args_spec)
     do5 = is_do_e5m2_spec(args_spec)
+    qh = is_q_hat_spec(args_spec)
     if trusted:
         (T, HQ, D), HKV = q.shape, k.shape[1]
     else:
         T, HQ, HKV, D = check_bwd_inputs(q, k, v, do, lse, delta, cu_seqlens=cu_seqlens, fp8=fp8, q_t=q_t, k_t=k_t,
                                          do_t=do_t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                          do_scale=do_scale, dq_accum=dq_accum, head_dim=params.get("head_dim"),
-                                         scores_bf16=sbf16, ds16=ds16, do_e5m2=do5)
+                                         scores_bf16=sbf16, ds16=ds16, do_e5m2=do5, q_hat=qh)
     align = kernel_key_align(fp8)
     det = check_deterministic(args_spec, params, T=T, HQ=HQ, cu_seqlens=cu_seqlens, key_align=align,
                               dq_sem=dq_sem)
@@ -589,13 +599,15 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
         # (masked queries). The quantizers' padded storage has them; other codes (a caller's own) cost a zero-padded
         # copy per call here. A caller of the kernel without this wrapper must pass such storage itself: ARGS says
         # (T, HQ, D) for q and do, the kernel reads T_PAD rows.
-        q, do = k_rows_for_tma(q, q_t.shape[2]), k_rows_for_tma(do, do_t.shape[2])
+        q, do = k_rows_for_tma(q, do_t.shape[2]), k_rows_for_tma(do, do_t.shape[2])
     if fp8:
         as_do = _as_e5m2 if do5 else _as_e4m3
         by_name.update(q=q if sbf16 else _as_e4m3(q), k=k if sbf16 else _as_e4m3(k), v=_as_e4m3(v),
                        v_scale=v_scale, do=as_do(do), do_t=as_do(do_t), do_scale=do_scale)
         if not ds16:
-            by_name.update(q_t=_as_e4m3(q_t), q_scale=q_scale, k_t=_as_e4m3(k_t), k_scale=k_scale)
+            by_name.update(q_scale=q_scale, k_t=_as_e4m3(k_t), k_scale=k_scale)
+            if not qh:
+                by_name["q_t"] = _as_e4m3(q_t)
     else:
         by_name.update(q=q, k=k, v=v, do=do)
     if diag:
@@ -607,7 +619,7 @@ def run_attn_bwd(fn, args_spec: Sequence[dict], q, k, v, do, lse, delta, *, cu_s
     by_name.update({n: t if n.endswith("_scale") else _as_e4m3(t) for n, t in split.items() if t is not None})
     if nvfp4:
         by_name["qk_tensor_scale"] = qk_tensor_scale
-    if any(a["name"] == "q_hat" for a in args_spec):
+    if qh:
         # bwd_dk_bf16: dK's B, Q̂ = Q codes·2^(eq+edo) in BF16, written by the call's own first launch
         by_name["q_hat"] = q_hat_workspace(T, HQ, D, do_t.shape[2], dev)
     two_pass = is_ds_tensor_spec(args_spec)
@@ -691,5 +703,5 @@ def dq_accum_natural(acc, dtype=None):
 __all__ = ["is_diag_v_spec", "check_diag_v", "DIAG_V_ARGS", "bwd_windows", "fwd_tile_n_of",
            "ROWS_ARGS", "DIAG_K_ARGS", "is_rows_spec", "is_diag_k_spec", "check_rows", "check_diag_k",
            "QK_NVFP4_ARGS", "is_qk_nvfp4_spec", "check_qk_tensor_scale",
-           "is_ds16_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
+           "is_ds16_spec", "is_q_hat_spec", "is_do_e5m2_spec", "is_ds_tensor_spec", "is_scores_bf16_spec", "make_work_list", "head_units", "num_units", "num_window_items", "bwd_schedule", "BwdSchedule", "num_work", "bwd_tiles", "check_bwd_inputs", "run_attn_bwd", "SUPPORTED_HEAD_DIMS",
            "num_dq_tiles", "dq_tile_offsets", "dq_from_accum", "dq_row_factor", "q_hat_workspace", "is_deterministic_spec", "check_deterministic"]

@@ -43,7 +43,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .attention import (ARCH, SAVED_FIELDS, SAVED_OPERANDS, NoKernelError, _current_bundle, _pick_cached, _quantize,
                         bwd_schedule_cached, doc_profile, packed_attention, per_token_scales, pick_bwd, pick_do_delta,
                         saves_codes, token_copy_do_delta, token_copy_use)
-from .attn_bwd import _is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_qk_nvfp4_spec, is_scores_bf16_spec, run_attn_bwd
+from .attn_bwd import (_is_fp8_spec, fwd_tile_n_of, is_ds16_spec, is_q_hat_spec, is_qk_nvfp4_spec, is_scores_bf16_spec,
+                       run_attn_bwd)
 from .nvfp4 import mixed_qk_inputs
 from .attn_fwd import SUPPORTED_HEAD_DIMS
 
@@ -399,7 +400,8 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         qt = qq
     else:
         # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
-        qq = _quantize(b, ent["q"], q, cu) if qk else None
+        # a q_hat variant (bwd_dk_bf16) reads no Qᵀ codes: the Q launch skips them (its call builds Q̂ from q)
+        qq = _quantize(b, ent["q"], q, cu, skip_transposed=is_q_hat_spec(args)) if qk else None
         qt = _quantize(b, ent["q_t"], q, cu) if "q_t" in ent else qq
         kq = _quantize(b, ent["k"], k, cu) if qk else None
         if nv:
@@ -424,6 +426,8 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     sbf16 = is_scores_bf16_spec(args)
     qkc = {} if qq is None else dict(q_t=qt["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
                                      k_scale=per_token_scales(kq["scales"], k))
+    if qkc and is_q_hat_spec(args):
+        del qkc["q_t"]
     if nv:
         q_in, k_in = mixed["q"], mixed["k"]
     else:

@@ -22,7 +22,7 @@ from flamia_gen.plan import make_plan
 from flamia_gen.plan.feasibility import SMEM_LIMIT, attn_bwd_smem_bytes, bwd_dk_bf16
 from flamia_gen.render.render import render_variant, render_with_flags, rendered_literals, rendered_params
 from flamia_gen.numerics.q_hat import q_hat
-from flamia_gen.runtime.attn_bwd import q_hat_workspace, run_attn_bwd
+from flamia_gen.runtime.attn_bwd import is_q_hat_spec, q_hat_workspace, run_attn_bwd
 from flamia_gen.verify.attn_gpu import q_hat_bitwise
 from flamia_gen.spec import Arch, load_specs
 
@@ -58,6 +58,7 @@ def test_flagged_tile(v):
     assert call.index("self.q_hat_build(mQ, mQs, mdOs, mQh") < call.index("self.kernel(")
     assert "qh_rows = mdOt.shape[2] * mQ.shape[1]" in call and "q_hat_build" not in base
     assert names[3:] == [a["name"] for a in _lit(base)["ARGS"]][3:]
+    assert is_q_hat_spec(args) and not is_q_hat_spec(_lit(base)["ARGS"])
     tile, tile0 = method_source(src, "one_tile"), method_source(base, "one_tile")
     # dK's per-pair chain (y, row amax, running exponent and its rescale, 1/2^E) and its E4M3 codes are gone
     for step in ("y = acc_dP[i] * qf[cp]", "quad_max_nan(mx[rh])", "acc_dK[i] = acc_dK[i] * f",
@@ -170,6 +171,9 @@ def test_verify_holds_q_hat_to_its_reference_bitwise():
 def test_wrapper_passes_a_q_hat_workspace(v):
     lit = _lit(render_with_flags(v, bwd_dk_bf16=True))
     x = _fp8_inputs()
+    with pytest.raises(ValueError, match="^q_t: this variant's dK takes Q̂"):
+        run_attn_bwd(lambda *a: None, lit["ARGS"], **x, params=lit["PARAMS"])
+    del x["q_t"]  # the op's Q launch skips the Qᵀ codes (skip_transposed)
     seen, keep = [], {}
     run_attn_bwd(lambda *a: seen.extend(a), lit["ARGS"], **x, params=lit["PARAMS"], keep=keep)
     by = dict(zip([a["name"] for a in lit["ARGS"]], seen))
