@@ -396,7 +396,7 @@ def test_backward_with_a_plain_variant_ignores_fwd_params(monkeypatch):
     T = q.shape[0]
     launched, called = [], []
 
-    def fake_quantize(b, e, x, cu_, o=None):
+    def fake_quantize(b, e, x, cu_, o=None, skip_transposed=False):
         launched.append(e["op"])
         t, h, d = x.shape
         return dict(codes=torch.zeros(t, h, d, dtype=torch.uint8),

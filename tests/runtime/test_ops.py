@@ -818,7 +818,7 @@ def test_backward_with_reads_what_each_fp8_mode_takes(monkeypatch, route):
     do = torch.randn_like(q)
     launched, called = [], {}
 
-    def fake_quantize(b, e, x, cu_, o=None):
+    def fake_quantize(b, e, x, cu_, o=None, skip_transposed=False):
         launched.append(e["op"])
         t, h, d = x.shape
         return dict(codes=torch.zeros(t, h, d, dtype=torch.uint8), codes_t=torch.zeros(h, d, 48, dtype=torch.uint8),
