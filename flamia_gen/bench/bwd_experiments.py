@@ -225,8 +225,9 @@ EXPERIMENTS: dict[str, dict] = {
     # what the dK scale chain costs, the bound of dK on BF16 dS with the factors on the Q operand
     "nodkq": dict(over={"bwd_ablate_dk_quant": True}, when=_fp8_token_d128,
                   note="ABLATION: dK's codes from dS' without y, amax, rescale (dK wrong on purpose; timing only)"),
-    # bwd_dk_bf16 (forty-eighth session; what nodkq bounded): dK = dS'ᵀ·Q̂ as a BF16 wgmma, Q̂ = Q codes·2^(eq+edo) built by
-    # the runtime, no per-pair dK quantization; dK changes (the emulator's dk_bf16), dQ and dV stay bit for bit
+    # bwd_dk_bf16 (forty-eighth session; what nodkq bounded): dK = dS'ᵀ·Q̂ as a BF16 wgmma, Q̂ = Q codes·2^(eq+edo) written
+    # by the call's own first launch, no per-pair dK quantization; dK changes (the emulator's dk_bf16), dQ and dV stay
+    # bit for bit
     "dk16": dict(over={"bwd_dk_bf16": True}, when=_fp8_token_d128,
                  note="dK on BF16 dS' and Q̂ = Q codes·2^(eq+edo) (no dK scale chain)"),
     # the bf16 tiles' default before the split and FA4's order (rounds 43–44; the fused pass, dK issued first)
