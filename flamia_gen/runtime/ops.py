@@ -373,6 +373,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
 
     # a ds16 variant (fp8_pv: dK, dQ in BF16) reads no Q, K codes
     qk = not is_ds16_spec(args)
+    qh = is_q_hat_spec(args)  # bwd_dk_bf16: dK takes Q̂, which the call builds; no Qᵀ codes anywhere
     ent = {}
     if not codes:
         if qk:
@@ -401,7 +402,7 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
     else:
         # recompute the forward's quantization (deterministic: the same codes and scales, bit for bit)
         # a q_hat variant (bwd_dk_bf16) reads no Qᵀ codes: the Q launch skips them (its call builds Q̂ from q)
-        qq = _quantize(b, ent["q"], q, cu, skip_transposed=is_q_hat_spec(args)) if qk else None
+        qq = _quantize(b, ent["q"], q, cu, skip_transposed=qh) if qk else None
         qt = _quantize(b, ent["q_t"], q, cu) if "q_t" in ent else qq
         kq = _quantize(b, ent["k"], k, cu) if qk else None
         if nv:
@@ -424,10 +425,8 @@ def backward_with(b, bwd: dict, do, q, k, v, o, lse, cu, profile, softmax_scale:
         extra["do_t_scale"] = per_token_scales(dt["scales"], do)
     # scores_bf16: Sᵀ = K·Qᵀ takes the BF16 q, k; their codes_t and scales (if any) serve dK, dQ
     sbf16 = is_scores_bf16_spec(args)
-    qkc = {} if qq is None else dict(q_t=qt["codes_t"], k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
-                                     k_scale=per_token_scales(kq["scales"], k))
-    if qkc and is_q_hat_spec(args):
-        del qkc["q_t"]
+    qkc = {} if qq is None else dict(k_t=kq["codes_t"], q_scale=per_token_scales(qq["scales"], q),
+                                     k_scale=per_token_scales(kq["scales"], k), **({} if qh else dict(q_t=qt["codes_t"])))
     if nv:
         q_in, k_in = mixed["q"], mixed["k"]
     else:
